@@ -1,0 +1,51 @@
+"""One client interface, two transports (gRPC and in-process).
+
+The orchestrator only ever talks to these protocols. The in-process transport calls the
+engines directly (in worker threads, so drafter and verifier still run concurrently); the gRPC
+transport sends the same requests over the wire. Errors surface as the engine exceptions of
+specdec.engine.api (InvalidRequest, SessionGone, …) or PeerUnavailable on both transports.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from specdec.engine.api import (
+    DraftRequest,
+    DraftResult,
+    EngineError,
+    ModelInfo,
+    ScoreRequest,
+    VerifyOutcome,
+    VerifyRequest,
+)
+
+
+class PeerUnavailable(EngineError):
+    """The service cannot be reached (→ UNAVAILABLE); the message names the address."""
+
+
+class DrafterClient(Protocol):
+    address: str
+
+    async def info(self) -> ModelInfo: ...
+
+    async def draft(self, request: DraftRequest) -> DraftResult: ...
+
+    async def release(self, session_id: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class VerifierClient(Protocol):
+    address: str
+
+    async def info(self) -> ModelInfo: ...
+
+    async def score(self, request: ScoreRequest) -> None: ...
+
+    async def verify(self, request: VerifyRequest) -> VerifyOutcome: ...
+
+    async def release(self, session_id: str) -> None: ...
+
+    async def close(self) -> None: ...

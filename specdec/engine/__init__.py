@@ -1,0 +1,1 @@
+"""Drafter and verifier engines: sessions + model runtime + drafting / verification."""

@@ -1,0 +1,118 @@
+"""Contract between the orchestrator and the drafter / verifier engines.
+
+The engines (specdec.engine.drafter, specdec.engine.verifier) hold per-session token lists and
+KV caches and are plain Python objects; the gRPC services wrap them 1:1 and the in-process
+transport calls them directly, so both transports run the same code.
+
+Session protocol (both engines): the caller tracks what it last told a service about the
+committed sequence. Each call carries `base_len` (how many tokens of that earlier committed
+sequence still stand — commits only grow, so it is the old committed length) and `append` (the
+committed tokens since). The engine's committed sequence becomes
+`session.committed[:base_len] + append`. If the session is unknown, or holds fewer than
+`base_len` committed tokens, the engine raises SessionGone and the caller resends everything
+with base_len = 0. Engines reuse KV entries by longest common prefix with whatever they have
+cached (including their own earlier draft tokens), so accepted tokens are never recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.sampling import SamplingParams
+from specdec.verification.base import MethodParams
+
+DRAFT_STRATEGIES = ("sample", "race")
+
+
+class EngineError(Exception):
+    """Base of the errors engines raise; adapters map each subclass to one gRPC status."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """Bad field (→ INVALID_ARGUMENT). The message names the field."""
+
+
+class SessionGone(EngineError):
+    """Session unknown/evicted or behind the caller (→ FAILED_PRECONDITION); resend context."""
+
+
+class ContextTooLong(InvalidRequest):
+    """Sequence would exceed the model's context window (→ INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_context: int
+    eos_token_ids: tuple[int, ...] = ()
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+@dataclass
+class DraftRequest:
+    session_id: str
+    base_len: int
+    append: list[int]
+    # Shape of the draft as parent indices (see specdec.trees): [-1, 0, 1, ...] is a sequence of
+    # k tokens, [-1] * m a star; [] asks for no tokens (RD's no-draft step: only row 0).
+    shape_parents: list[int]
+    sampling: SamplingParams
+    seed: int
+    strategy: str = "sample"  # "sample": draws from Q (without replacement among siblings); "race": ERSD
+    want_distributions: bool = False
+    # Also compute the rows after the leaves (one extra forward pass); needed by RD when K < k_max.
+    include_leaf_rows: bool = False
+
+
+@dataclass
+class DraftResult:
+    tokens: list[int]
+    parents: list[int]
+    # [n + 1, V] float32 warped draft rows in the specdec.verification layout when requested
+    # (rows after leaves are zero unless include_leaf_rows); None otherwise.
+    draft_probs: torch.Tensor | None = None
+    forward_seconds: float = 0.0
+    reused_tokens: int = 0  # committed tokens whose KV entries were reused
+
+
+@dataclass
+class ScoreRequest:
+    """Start the target forward pass over (committed + tree) before draft rows are known."""
+
+    session_id: str
+    base_len: int
+    append: list[int]
+    tree_tokens: list[int]
+    tree_parents: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class VerifyRequest:
+    session_id: str
+    base_len: int
+    append: list[int]
+    tree_tokens: list[int]
+    tree_parents: list[int]
+    method: str
+    params: MethodParams
+    sampling: SamplingParams
+    draft_probs: torch.Tensor | None = None
+
+
+@dataclass
+class VerifyOutcome:
+    tokens: list[int]  # accepted path + one extra token; the engine has committed them
+    accepted_nodes: list[int]
+    accept_flags: list[bool]
+    num_drafted: int
+    committed_len: int  # session's committed length after this call
+    forward_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    reused_tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,54 @@
+"""Position-keyed exponential races (ERSD).
+
+A race at absolute position n is a vector e_n of i.i.d. Exp(1) variables, one per token. The
+winner under a distribution D is argmin_x e_n(x) / D(x); it is distributed exactly as D, and the
+first m arrivals (m smallest ratios) are a sample of m distinct tokens without replacement.
+
+Construction (reproducible across processes and machines, no state to ship):
+  key     = derive_seed(seed, "race")                  (64-bit, see specdec.randomness)
+  counter = Philox4x64-10 counter [0, 0, n, 0]         (n = absolute position in the sequence)
+  raw_j   = j-th 64-bit output of that counter-based stream, j = 0..V-1
+  u_j     = ((raw_j >> 11) + 0.5) / 2**53              (uniform on (0, 1), never 0 or 1)
+  e_n(j)  = -ln(u_j)
+The position sits in the third counter word, so streams of different positions never overlap
+(each holds 2**128 blocks). Drafter and verifier regenerate e_n from (seed, n) alone, which is
+why ERSD sends only token ids over the network.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec.randomness import derive_seed
+
+
+def race(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """The Exp(1) race vector e_position of length `vocab` (float64)."""
+    if position < 0:
+        raise ValueError(f"race position must be >= 0, got {position}")
+    bit_generator = np.random.Philox(key=derive_seed(seed, "race"), counter=[0, 0, position, 0])
+    raw = bit_generator.random_raw(vocab)
+    uniform = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+    return torch.from_numpy(-np.log(uniform))
+
+
+def race_scores(e: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
+    """Arrival times e / D, with +inf where D = 0 (such tokens never win)."""
+    dist = dist.to(torch.float64)
+    return torch.where(dist > 0, e / dist.clamp_min(torch.finfo(torch.float64).tiny), torch.inf)
+
+
+def race_winner(e: torch.Tensor, dist: torch.Tensor) -> int:
+    """argmin_x e(x)/D(x): a sample from D driven by the race e."""
+    return int(torch.argmin(race_scores(e, dist)).item())
+
+
+def race_arrivals(e: torch.Tensor, dist: torch.Tensor, m: int) -> list[int]:
+    """The first m arrivals of the race under D (never a zero-probability token)."""
+    scores = race_scores(e, dist)
+    m = min(m, int((scores < torch.inf).sum().item()))
+    if m <= 0:
+        return []
+    order = torch.topk(scores, m, largest=False, sorted=True).indices
+    return [int(i) for i in order.tolist()]

@@ -1,0 +1,83 @@
+"""Turning logits into the warped next-token distribution every component agrees on.
+
+Drafter and verifier must apply *identical* warping (temperature → top-k → top-p → softmax),
+otherwise the lossless guarantee is about a distribution nobody samples from. Keeping the one
+function here is how that is enforced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Request-level sampling parameters.
+
+    temperature: 0 means greedy (one-hot on the argmax, ties to the lowest token id).
+    top_k: 0 disables the filter. top_p: 1.0 disables the filter; must lie in (0, 1].
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SamplingParamsError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingParamsError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
+    """One-hot rows on the argmax; torch.argmax returns the first (lowest id) maximum."""
+    index = torch.argmax(logits, dim=-1, keepdim=True)
+    out = torch.zeros_like(logits)
+    out.scatter_(-1, index, 1.0)
+    return out
+
+
+def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Warped probabilities for logits of shape [..., V] (float32 or float64 kept; others → float32).
+
+    Top-p keeps the smallest set of most-likely tokens whose mass reaches top_p (the token that
+    crosses the threshold is kept); ties in probability are ordered by token id so the result is
+    the same on every machine.
+    """
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    if params.greedy:
+        return greedy_one_hot(logits)
+    scaled = logits / params.temperature
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        probs = _top_p_filter(probs, params.top_p)
+    return probs
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    # Stable sort by descending probability keeps equal probabilities in token-id order.
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = probs * keep
+    return kept / kept.sum(dim=-1, keepdim=True)
