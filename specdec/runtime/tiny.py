@@ -6,6 +6,7 @@ need no download. A word-level tokenizer maps token i to the word "t{i}" so text
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -52,4 +53,9 @@ def save_tiny_model(directory: str | Path, vocab_size: int = 6, seed: int = 0, *
     directory.mkdir(parents=True, exist_ok=True)
     build_tiny_model(vocab_size=vocab_size, seed=seed, **kwargs).save_pretrained(directory)
     build_tokenizer(vocab_size).save_pretrained(directory)
+    # AutoTokenizer would otherwise pick the architecture's own tokenizer class (Qwen2's BPE).
+    config_path = directory / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2))
     return directory
