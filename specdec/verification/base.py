@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
 
 METHODS = ("token", "block", "ersd", "gsd-tree", "rd")
