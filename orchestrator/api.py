@@ -57,3 +57,12 @@ class GenerationResult:
     seed: int
     method: str
     stats: GenerationStats
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed piece: the new tokens of an iteration and their text; the last has `result`."""
+
+    token_ids: list[int]
+    text: str
+    result: GenerationResult | None = None
