@@ -22,6 +22,9 @@ class GenerationRequest:
     k: int | None = None  # draft length (sequence methods) / tree budget (trees); None → default
     a: float | None = None  # RD drafting probability; None → calibrated or default
     request_id: str | None = None
+    # Node budget of a draft tree: gsd-tree (falls back to k, then the configured default) and
+    # ersd (set → a tree of this many nodes; None → a sequence of k tokens).
+    tree_budget: int | None = None
 
 
 @dataclass
@@ -57,6 +60,8 @@ class GenerationResult:
     seed: int
     method: str
     stats: GenerationStats
+    iterations: list[IterationRecord] = field(default_factory=list)  # the request's timeline
+    started_at: float = 0.0  # epoch seconds when the (last) run of the request began
 
 
 @dataclass
@@ -66,3 +71,30 @@ class GenerationChunk:
     token_ids: list[int]
     text: str
     result: GenerationResult | None = None
+
+
+@dataclass
+class IterationRecord:
+    """One speculation iteration as it happened (what the trace and the timeline show).
+
+    Times are epoch seconds (time.time() scale, measured with perf_counter); intervals are the
+    real start/end of each drafter call and of each verifier call (score and verify).
+    """
+
+    request_id: str
+    index: int  # counts the request's iterations, across resumed runs
+    position: int  # committed length before the iteration = absolute index of its first new token
+    method: str  # what ran: the request's method, or "autoregressive" for a target-only step
+    a: float | None = None  # RD drafting probability (rd only)
+    k: int = 0  # draft size asked for: draft length, RD k_max or tree budget (0 = none)
+    heads: int | None = None  # RD leading heads K (rd only)
+    drafted: bool = False  # the verifier checked at least one draft token
+    num_drafted: int = 0
+    accepted: int = 0
+    emitted: list[int] = field(default_factory=list)  # new tokens that reached the output
+    fallback: bool = False  # target-only because the drafter was unavailable
+    start: float = 0.0
+    end: float = 0.0
+    draft_intervals: list[tuple[float, float]] = field(default_factory=list)
+    verify_intervals: list[tuple[float, float]] = field(default_factory=list)
+    overlap_seconds: float = 0.0

@@ -8,6 +8,7 @@ function here is how that is enforced.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,12 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise SamplingParamsError(f"{name} must be a real number, got {value!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise SamplingParamsError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise SamplingParamsError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -53,6 +60,8 @@ def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Warped probabilities for logits of shape [..., V] (float32 or float64 kept; others → float32).
 
+    Top-k keeps every token whose scaled logit is >= the k-th largest, so tokens tied with the
+    k-th value are all kept (order-independent; more than k survive only on such ties).
     Top-p keeps the smallest set of most-likely tokens whose mass reaches top_p (the token that
     crosses the threshold is kept); ties in probability are ordered by token id so the result is
     the same on every machine.
@@ -61,7 +70,9 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.float()
     if params.greedy:
         return greedy_one_hot(logits)
-    scaled = logits / params.temperature
+    # Shift by the row max before dividing: the same softmax, but a tiny temperature cannot
+    # overflow the logits to inf (inf - inf = NaN probabilities).
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]

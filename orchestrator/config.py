@@ -1,0 +1,54 @@
+"""Orchestrator settings (environment variables with the SPECDEC_ prefix, e.g. SPECDEC_DEFAULT_K=6).
+
+Everything here is a default or a limit; a request may override method, k, tree budget and a.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from orchestrator.api import GENERATION_METHODS
+
+
+class OrchestratorConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_", extra="ignore")
+
+    default_method: str = "token"
+    # Draft length of sequence methods (token, block, ersd) and RD's k_max when a request gives no k.
+    default_k: int = Field(4, ge=1)
+    # Node budget of gsd-tree when a request gives neither tree_budget nor k.
+    default_tree_budget: int = Field(8, ge=1)
+    # ERSD drafts a tree of this many nodes when set (and the request gives no tree_budget);
+    # None keeps ERSD on a sequence of k tokens.
+    ersd_tree_budget: int | None = Field(None, ge=1)
+    default_a: float = Field(0.5, ge=0.0, le=1.0)
+    # 0th-order acceptance model R(j) of the j-th ranked child (ALGORITHMS.md §6) for tree shapes.
+    rank_acceptance: list[float] = Field(default_factory=lambda: [0.6, 0.2, 0.1, 0.05])
+    # Shape trees from the measured rank acceptance of the model pair once this many decisions
+    # per rank were recorded (0 = never; seeded requests then replay exactly across deployments).
+    calibration_min_samples: int = Field(0, ge=0)
+
+    max_k: int = Field(16, ge=1)
+    max_tree_budget: int = Field(64, ge=1)
+    max_new_tokens_limit: int = Field(4096, ge=1)
+
+    # After the drafter was unreachable, run target-only steps and retry it this often.
+    drafter_retry_seconds: float = Field(1.0, ge=0.0)
+    # None: in-memory store; "redis://host:port/db": Redis.
+    store_url: str | None = None
+    request_ttl_seconds: int = Field(86400, ge=1)
+
+    @field_validator("default_method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        if value not in GENERATION_METHODS:
+            raise ValueError(f"default_method must be one of {', '.join(GENERATION_METHODS)}, got {value!r}")
+        return value
+
+    @field_validator("rank_acceptance")
+    @classmethod
+    def _rates(cls, value: list[float]) -> list[float]:
+        if not value or any(not 0.0 <= r <= 1.0 for r in value):
+            raise ValueError("rank_acceptance must be a non-empty list of probabilities in [0, 1]")
+        return value

@@ -1,0 +1,348 @@
+"""Process management for `specdec up`: spawn, pin, health-wait, supervise and stop the services.
+
+Kept apart from the CLI so that the CLI stays a parser/adapter and so that tests can start the
+same child processes the way `up` does. Children:
+- run `python -m orchestrator.cli serve <role> ...` (the very command a user would run by hand);
+- get their own session (a terminal Ctrl-C reaches only the supervisor, which then stops them in
+  order) and, on Linux, a parent-death signal, so they never outlive a supervisor that was killed;
+- report where they listen through a small JSON "ready file", which lets them bind port 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_ORCHESTRATOR_PORT = 50050
+DEFAULT_DRAFTER_PORT = 50051
+DEFAULT_VERIFIER_PORT = 50052
+DEFAULT_ORCHESTRATOR_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_ORCHESTRATOR_PORT}"
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ProcessError(RuntimeError):
+    """A child failed to start, died, or did not become healthy in time (message says which)."""
+
+
+# ---------------------------------------------------------------- cores and pinning
+
+
+def parse_cores(text: str | None) -> list[int] | None:
+    """'0,2-3' → [0, 2, 3]; None/'' → None (no pinning). Raises ValueError on bad syntax."""
+    if text is None or not text.strip():
+        return None
+    cores: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            low, high = (int(x) for x in part.split("-", 1))
+            if high < low:
+                raise ValueError(f"bad core range {part!r}")
+            cores.update(range(low, high + 1))
+        else:
+            cores.add(int(part))
+    if any(core < 0 for core in cores):
+        raise ValueError(f"core numbers must be >= 0, got {text!r}")
+    return sorted(cores)
+
+
+def format_cores(cores: Iterable[int] | None) -> str:
+    return ",".join(str(c) for c in sorted(cores)) if cores is not None else "any"
+
+
+def available_cores() -> list[int]:
+    """Cores this process may run on (sched_getaffinity where the OS has it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def default_core_split(cores: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """Disjoint (drafter, verifier) core sets: the small draft model gets a quarter (at least one).
+
+    With a single core both get it (nothing to split); with two cores it is one each.
+    """
+    cores = sorted(cores) if cores is not None else available_cores()
+    if len(cores) < 2:
+        return list(cores), list(cores)
+    n_draft = max(1, len(cores) // 4)
+    return list(cores[:n_draft]), list(cores[n_draft:])
+
+
+def pin_current_process(cores: Sequence[int]) -> None:
+    """Restrict this process (all its threads) to `cores`; clear error if the OS lacks it."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ProcessError("pinning to cores (--cores) needs os.sched_setaffinity (Linux)")
+    allowed = set(available_cores())
+    unknown = [c for c in cores if c not in allowed]
+    if unknown:
+        raise ProcessError(f"cores {unknown} are not available to this process (available: "
+                           f"{format_cores(allowed)})")
+    os.sched_setaffinity(0, set(cores))
+
+
+# ---------------------------------------------------------------- ready files and health
+
+
+def write_ready_file(path: str | Path, payload: dict) -> None:
+    """Atomically write JSON (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".ready-", dir=path.parent)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(payload, handle)
+    os.replace(tmp, path)
+
+
+def read_ready_file(path: str | Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def check_health(address: str, timeout: float = 1.0, service: str = "") -> str:
+    """One gRPC health Check → status name ('SERVING', …); raises grpc.RpcError when unreachable."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def wait_healthy(address: str, timeout: float, *, alive: Callable[[], bool] | None = None,
+                 name: str = "service", interval: float = 0.1, abort: threading.Event | None = None) -> None:
+    """Poll the gRPC health check until SERVING; bounded by `timeout` seconds.
+
+    `alive` lets the caller stop waiting early when the process behind the address has died;
+    `abort` when the user asked to stop.
+    """
+    import grpc
+
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        if abort is not None and abort.is_set():
+            raise ProcessError(f"stopped while waiting for {name}")
+        if alive is not None and not alive():
+            raise ProcessError(f"{name} exited before passing its health check at {address}")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ProcessError(f"{name} at {address} did not pass its health check within {timeout:.0f}s "
+                               f"(last: {last})")
+        try:
+            status = check_health(address, timeout=min(1.0, max(remaining, 0.05)))
+            if status == "SERVING":
+                return
+            last = status
+        except grpc.RpcError as error:
+            last = f"{error.code().name}: {error.details()}"
+        time.sleep(interval)
+
+
+# ---------------------------------------------------------------- children
+
+
+def _child_preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask Linux to SIGTERM the child when the supervisor dies (no orphans even on SIGKILL)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except Exception:
+        pass
+
+
+def cli_command(*args: str) -> list[str]:
+    """argv that runs this package's CLI with the current interpreter (no install needed)."""
+    return [sys.executable, "-m", "orchestrator.cli", *args]
+
+
+@dataclass
+class Child:
+    """One supervised service process."""
+
+    name: str
+    argv: list[str]
+    ready_file: Path
+    log_path: Path
+    cores: list[int] | None = None
+    process: subprocess.Popen | None = None
+    address: str | None = None
+    _log_handle: object | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def returncode(self) -> int | None:
+        return self.process.poll() if self.process else None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def describe_exit(child: Child) -> str:
+    """'drafter (pid 12) exited with code 1' / '… was killed by SIGKILL', plus the log tail."""
+    code = child.returncode()
+    if code is None:
+        how = "is still running"
+    elif code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    message = f"{child.name} (pid {child.pid}) {how}"
+    tail = child.log_tail()
+    if tail:
+        message += f"; last lines of {child.log_path}:\n{tail}"
+    return message
+
+
+def spawn(child: Child, env: dict[str, str] | None = None, cwd: str | Path | None = None) -> Child:
+    """Start the child with its output in its log file (ready file cleared first)."""
+    child.ready_file.unlink(missing_ok=True)
+    child.log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(child.log_path, "ab", buffering=0)  # noqa: SIM115 - closed in Supervisor.stop
+    child._log_handle = log
+    full_env = dict(os.environ if env is None else env)
+    full_env.setdefault("HF_HUB_OFFLINE", "1")
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    child.process = subprocess.Popen(
+        child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+        cwd=cwd, start_new_session=True,
+        preexec_fn=_child_preexec if sys.platform.startswith("linux") else None,
+    )
+    if child.cores is not None and hasattr(os, "sched_setaffinity"):
+        # The child pins itself too (--cores); doing it here as well closes the window before it does.
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(child.process.pid, set(child.cores))
+    return child
+
+
+def wait_ready(child: Child, timeout: float, abort: threading.Event | None = None) -> str:
+    """Wait for the child's ready file, then for its health check; returns its address."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if abort is not None and abort.is_set():
+            raise ProcessError(f"stopped while waiting for {child.name}")
+        payload = read_ready_file(child.ready_file)
+        if payload and payload.get("address"):
+            child.address = str(payload["address"])
+            break
+        if not child.alive():
+            raise ProcessError(describe_exit(child))
+        if time.monotonic() > deadline:
+            raise ProcessError(f"{child.name} did not start listening within {timeout:.0f}s "
+                               f"(log: {child.log_path})")
+        time.sleep(0.05)
+    try:
+        wait_healthy(child.address, max(1.0, deadline - time.monotonic()), alive=child.alive, name=child.name,
+                     abort=abort)
+    except ProcessError as error:
+        if not child.alive():
+            raise ProcessError(describe_exit(child)) from error
+        raise
+    return child.address
+
+
+def stop_process(process: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM, wait up to `grace` seconds, then SIGKILL; always reaps the process."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
+
+
+class Supervisor:
+    """A set of children started together and stopped together (reverse start order)."""
+
+    def __init__(self, log_dir: str | Path | None = None) -> None:
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="specdec-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self.stop_requested = threading.Event()
+
+    def child(self, name: str, serve_args: Sequence[str], cores: list[int] | None = None) -> Child:
+        """Describe a `specdec serve ...` child with its ready and log files under log_dir."""
+        ready = self.log_dir / f"{name}.ready.json"
+        argv = cli_command("serve", *serve_args, "--ready-file", str(ready))
+        log_path = self.log_dir / f"{name}.log"
+        return Child(name=name, argv=argv, ready_file=ready, log_path=log_path, cores=cores)
+
+    def start(self, child: Child, env: dict[str, str] | None = None) -> Child:
+        self.children.append(child)
+        return spawn(child, env=env)
+
+    def first_dead(self) -> Child | None:
+        for child in self.children:
+            if child.process is not None and child.process.poll() is not None:
+                return child
+        return None
+
+    def watch(self, poll: float = 0.2) -> Child | None:
+        """Block until a stop is requested (→ None) or a child exits (→ that child)."""
+        while not self.stop_requested.is_set():
+            dead = self.first_dead()
+            if dead is not None:
+                return dead
+            self.stop_requested.wait(poll)
+        return None
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop every child: the newest first (the orchestrator: it drains its requests while the
+        services it talks to still answer), then all the others together."""
+        running = [c for c in reversed(self.children) if c.process is not None]
+        if running:
+            stop_process(running[0].process, grace)
+        for child in running[1:]:
+            if child.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.send_signal(signal.SIGTERM)
+        for child in running[1:]:
+            stop_process(child.process, grace)
+        for child in self.children:
+            if child._log_handle is not None:
+                with contextlib.suppress(Exception):
+                    child._log_handle.close()
+            child.ready_file.unlink(missing_ok=True)
+
+    def install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM → request a stop (main thread only)."""
+        def handler(signum, frame):  # noqa: ARG001
+            self.stop_requested.set()
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)

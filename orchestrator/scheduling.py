@@ -1,0 +1,115 @@
+"""Per-iteration scheduling decisions as pure functions: k, a, RD coins, draft shapes, calibration.
+
+None of these choices can change the output distribution (every method is exact for every k,
+a and tree shape); they only decide how much work an iteration does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from orchestrator.config import OrchestratorConfig
+from specdec.randomness import TorchRandomSource
+from specdec.trees import optimal_tree_shape
+from specdec.verification.rd import leading_heads
+
+SPECULATIVE_METHODS = ("token", "block", "ersd", "gsd-tree", "rd")
+
+
+def sequence_shape(k: int) -> list[int]:
+    """Parent indices of a path of k draft tokens."""
+    return list(range(-1, k - 1))
+
+
+def default_k(method: str, config: OrchestratorConfig) -> int:
+    """Draft length (or RD k_max, or tree budget) when the request gives none."""
+    if method == "gsd-tree":
+        return config.default_tree_budget
+    if method == "autoregressive":
+        return 0
+    return config.default_k
+
+
+def tree_budget_for(
+    method: str, k: int | None, tree_budget: int | None, config: OrchestratorConfig
+) -> int | None:
+    """Node budget of the draft tree, or None when the method drafts a sequence.
+
+    gsd-tree always drafts a tree (tree_budget, else k, else the default); ersd drafts a tree
+    only when a budget is asked for (request or config), otherwise a sequence of k tokens.
+    """
+    if method == "gsd-tree":
+        return tree_budget or k or config.default_tree_budget
+    if method == "ersd":
+        return tree_budget or config.ersd_tree_budget
+    return None
+
+
+def default_a(config: OrchestratorConfig) -> float:
+    return config.default_a
+
+
+def rd_leading_heads(a: float, k_max: int, seed: int, position: int) -> int:
+    """K for the RD iteration starting at `position`: leading heads of Bernoulli(a) coins, ≤ k_max.
+
+    The coins come from their own stream keyed on (seed, "coins", position), so they are
+    independent of the drafts and of the verification draws, and a seeded request replays.
+    """
+    return leading_heads(a, k_max, TorchRandomSource.from_seed(seed, "coins", position))
+
+
+def tree_shape(rank_acceptance: Sequence[float], budget: int) -> list[int]:
+    """Best tree with `budget` nodes under the 0th-order acceptance model (ALGORITHMS.md §6)."""
+    return optimal_tree_shape(rank_acceptance, budget)
+
+
+def cap_depth(shape: Sequence[int], max_depth: int) -> list[int]:
+    """Drop the nodes deeper than `max_depth` (and their subtrees), renumbering the rest.
+
+    Used near the end of the context window, where deeper drafts would not fit.
+    """
+    if max_depth <= 0:
+        return []
+    new_index: dict[int, int] = {-1: -1}
+    depth: dict[int, int] = {-1: 0}
+    out: list[int] = []
+    for node, parent in enumerate(shape):
+        if parent not in new_index:
+            continue
+        d = depth[parent] + 1
+        if d > max_depth:
+            continue
+        depth[node] = d
+        new_index[node] = len(out)
+        out.append(new_index[parent])
+    return out
+
+
+def shape_depth(shape: Sequence[int]) -> int:
+    depths: list[int] = []
+    for parent in shape:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return max(depths, default=0)
+
+
+def rank_acceptance_from_calibration(
+    counts: Mapping[str, int], default: Sequence[float], min_samples: int
+) -> list[float]:
+    """Measured R(j) = P(the accepted child has rank j) where at least min_samples were seen.
+
+    Ranks with too few observations keep the configured value; min_samples = 0 disables it.
+    """
+    rates = [float(r) for r in default]
+    if min_samples <= 0:
+        return rates
+    j = 0
+    while (trials := counts.get(f"rank_trials@{j}", 0)) > 0:
+        measured = trials >= min_samples
+        if j == len(rates):
+            if not measured:
+                break
+            rates.append(0.0)
+        if measured:
+            rates[j] = min(1.0, max(0.0, counts.get(f"rank_hits@{j}", 0) / trials))
+        j += 1
+    return rates

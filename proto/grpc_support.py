@@ -1,0 +1,271 @@
+"""What every specdec gRPC server and client shares: options, error mapping, startup, shutdown.
+
+Error mapping (server side), the same for every service:
+  SessionGone                                        → FAILED_PRECONDITION (resend the context)
+  PeerUnavailable (an orchestrator lost its verifier) → UNAVAILABLE
+  InvalidRequest / SamplingParamsError / VerificationError / other ValueError
+                                                     → INVALID_ARGUMENT (message names the field)
+  other EngineError                                  → INTERNAL with a short message
+  anything else                                      → INTERNAL "internal error" (logged here,
+                                                       never a stack trace to the client)
+Clients map the codes back (error_from_status) so the orchestrator sees the same exceptions
+on both transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import logging
+import signal
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, TypeVar
+from weakref import WeakKeyDictionary
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from orchestrator.clients.base import PeerUnavailable
+from specdec.engine.api import EngineError, InvalidRequest, SessionGone
+
+log = logging.getLogger(__name__)
+
+MB = 1024 * 1024
+DEFAULT_MAX_MESSAGE_MB = 64
+MAX_DETAIL_CHARS = 300
+T = TypeVar("T")
+
+
+def message_options(max_message_mb: float) -> list[tuple[str, int]]:
+    """Channel/server options that raise both message-size limits to `max_message_mb`."""
+    limit = int(max_message_mb * MB)
+    if limit <= 0:
+        raise ValueError(f"max_message_mb must be > 0, got {max_message_mb}")
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+def format_address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"{host}:{port}"
+
+
+def _short(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 1] + "…"
+
+
+# ------------------------------------------------------------------------------ server side
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status an exception becomes (see the module docstring)."""
+    if isinstance(exc, SessionGone):
+        return grpc.StatusCode.FAILED_PRECONDITION, _short(str(exc) or "session gone; resend the context")
+    if isinstance(exc, PeerUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, _short(str(exc))
+    if isinstance(exc, ValueError):  # InvalidRequest, SamplingParamsError, VerificationError
+        return grpc.StatusCode.INVALID_ARGUMENT, _short(str(exc) or type(exc).__name__)
+    if isinstance(exc, EngineError):
+        return grpc.StatusCode.INTERNAL, _short(f"{type(exc).__name__}: {exc}")
+    return grpc.StatusCode.INTERNAL, "internal error (details in the server log)"
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, rpc: str) -> None:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s failed", rpc, exc_info=exc)
+    else:
+        log.info("%s: %s %s", rpc, code.name, message)
+    await context.abort(code, message)
+
+
+def guarded(rpc: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator for unary servicer methods: any exception becomes the mapped status."""
+
+    @functools.wraps(rpc)
+    async def wrapper(self, request, context):
+        try:
+            return await rpc(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, logged when unexpected
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await abort_with(context, exc, rpc.__name__)
+
+    return wrapper
+
+
+def guarded_stream(rpc: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """Decorator for server-streaming servicer methods (async generators)."""
+
+    @functools.wraps(rpc)
+    async def wrapper(self, request, context):
+        stream = rpc(self, request, context)
+        try:
+            async for item in stream:
+                yield item
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await abort_with(context, exc, rpc.__name__)
+        finally:
+            await stream.aclose()
+
+    return wrapper
+
+
+async def run_blocking(executor: Executor | None, fn: Callable[..., T], *args: Any) -> T:
+    """Run a synchronous engine call off the event loop, keeping contextvars (trace context)."""
+    loop = asyncio.get_running_loop()
+    call = functools.partial(contextvars.copy_context().run, fn, *args)
+    return await loop.run_in_executor(executor, call)
+
+
+_ON_STOP: WeakKeyDictionary[grpc.aio.Server, list[Callable[[], None]]] = WeakKeyDictionary()
+_HEALTH: WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = WeakKeyDictionary()
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+    host: str,
+    port: int,
+    *,
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    options: Iterable[tuple[str, Any]] = (),
+    on_stop: Sequence[Callable[[], None]] = (),
+) -> tuple[grpc.aio.Server, int]:
+    """Build, register, bind and start a grpc.aio server with health checking and reflection.
+
+    `register(server)` adds the service's servicer. Health reports SERVING for "" and for every
+    name in `service_names`. `on_stop` callbacks run after stop_server (or when the server
+    object is collected). Returns the server and the bound port (useful with port=0).
+    """
+    server = grpc.aio.server(
+        interceptors=list(interceptors),
+        options=[*message_options(max_message_mb), *options],
+    )
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflected = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(reflected, server)
+    address = format_address(host, port)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc raises RuntimeError when the port cannot be bound
+        raise OSError(f"could not bind {address}: {exc}") from None
+    if bound == 0:
+        raise OSError(f"could not bind {address}")
+    await server.start()
+    for callback in on_stop:
+        weakref.finalize(server, callback)
+    _ON_STOP[server] = list(on_stop)
+    for name in ("", *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _HEALTH[server] = health_servicer
+    log.info("serving %s on %s", ", ".join(service_names), format_address(host, bound))
+    return server, bound
+
+
+async def stop_server(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    """Report NOT_SERVING first (load balancers stop routing), then let in-flight calls finish."""
+    health_servicer = _HEALTH.pop(server, None)
+    if health_servicer is not None:
+        await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    for callback in _ON_STOP.pop(server, []):
+        callback()
+
+
+async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    """Run until SIGINT/SIGTERM (or the server terminates), then stop gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    stop_task = asyncio.ensure_future(stop.wait())
+    done_task = asyncio.ensure_future(server.wait_for_termination())
+    try:
+        await asyncio.wait({stop_task, done_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        stop_task.cancel()
+        log.info("shutting down (grace %.1f s)", grace_s)
+        await stop_server(server, grace_s)
+        # Not cancelled above: grpc's wait_for_termination shares its future with shutdown.
+        await asyncio.wait({done_task}, timeout=grace_s + 5.0)
+
+
+async def start_engine_server(
+    make_servicer: Callable[[Executor], Any],
+    add_to_server: Callable[[Any, grpc.aio.Server], None],
+    service_name: str,
+    host: str,
+    port: int,
+    *,
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    max_workers: int = 1,
+    thread_name_prefix: str = "engine",
+) -> tuple[grpc.aio.Server, int]:
+    """start_server for a servicer around a synchronous engine, with its own worker pool."""
+    if max_workers < 1:
+        raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+    executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+    servicer = make_servicer(executor)
+    try:
+        return await start_server(
+            lambda server: add_to_server(servicer, server),
+            [service_name],
+            host,
+            port,
+            max_message_mb=max_message_mb,
+            interceptors=interceptors,
+            on_stop=[functools.partial(executor.shutdown, wait=False)],
+        )
+    except BaseException:
+        executor.shutdown(wait=False)
+        raise
+
+
+# ------------------------------------------------------------------------------ client side
+
+
+class RemoteError(EngineError):
+    """A status with no closer engine exception (INTERNAL, RESOURCE_EXHAUSTED, …); keeps the code."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, address: str) -> None:
+        super().__init__(f"{address}: {code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.address = address
+
+
+def error_from_status(code: grpc.StatusCode, details: str | None, address: str) -> EngineError:
+    """The exception a client raises for a failed call (the inverse of status_for)."""
+    details = details or ""
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return PeerUnavailable(f"{address} unavailable ({code.name}): {details}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return SessionGone(details)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return RemoteError(code, f"{details} (raise max_message_mb on both sides if a message is too large)",
+                           address)
+    return RemoteError(code, details, address)

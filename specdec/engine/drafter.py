@@ -1,0 +1,196 @@
+"""The drafter engine: a draft model, per-session caches, and the drafting strategies.
+
+`draft` fills the requested tree shape with tokens. Children are chosen with
+`specdec.drafting.select_children` in exactly the node order of the reference
+`specdec.drafting.draft_tree`, from the same random stream, so the engine's drafts are the
+reference's drafts; only the forward passes are batched. Rows are computed lazily: when a
+node's row is needed, every node whose token is already known and whose row will be needed is
+forwarded in the same pass, which is one pass per tree level (one per token for a sequence,
+i.e. plain autoregressive drafting on the cache).
+
+Afterwards the cache keeps the committed tokens plus the tree's first root-to-leaf path (the
+most likely one to be accepted), so the next call, whose committed tokens extend by the
+accepted drafts, reuses those entries by longest common prefix.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.drafting import select_children
+from specdec.engine.api import (
+    DRAFT_STRATEGIES,
+    DraftRequest,
+    DraftResult,
+    InvalidRequest,
+    ModelInfo,
+)
+from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
+from specdec.races import race
+from specdec.randomness import TorchRandomSource
+from specdec.runtime.kv import TreeKVCache
+from specdec.runtime.loading import LoadedModel
+from specdec.runtime.scoring import prepare
+from specdec.sampling import SamplingParams, warp_logits
+
+MAX_TREE_NODES = 1024
+
+
+@dataclass
+class DrafterSession:
+    kv: TreeKVCache
+    committed: list[int] = field(default_factory=list)
+
+
+class DrafterEngine:
+    def __init__(self, loaded: LoadedModel, sessions: SessionConfig | None = None, clock=time.monotonic) -> None:
+        self.loaded = loaded
+        self._forward_lock = threading.Lock()  # one forward pass at a time on this model
+        self.sessions: SessionStore[DrafterSession] = SessionStore(self._new_session, sessions, clock)
+
+    def _new_session(self) -> DrafterSession:
+        return DrafterSession(kv=TreeKVCache(self.loaded.model, lock=self._forward_lock))
+
+    def info(self) -> ModelInfo:
+        return self.loaded.info
+
+    def release(self, session_id: str) -> bool:
+        return self.sessions.release(session_id)
+
+    # ------------------------------------------------------------------------------------------
+    def draft(self, request: DraftRequest) -> DraftResult:
+        shape = _check_request(request)
+        vocab = self.loaded.info.vocab_size
+        with self.sessions.use(request.session_id, request.base_len) as session:
+            committed = advance(session.committed, request.session_id, request.base_len, request.append)
+            check_tokens("append", request.append, vocab)
+            check_context(len(committed) + _max_depth(shape), self.loaded.info.max_context)
+            session.committed = committed
+            try:
+                return self._draft(session, committed, shape, request)
+            except BaseException:
+                session.kv = self._new_session().kv  # never keep a cache in an unknown state
+                raise
+
+    def _draft(
+        self, session: DrafterSession, committed: list[int], shape: list[int], request: DraftRequest
+    ) -> DraftResult:
+        kv = session.kv
+        params = request.sampling
+        position = len(committed)
+        vocab = self.loaded.info.vocab_size
+        forward_seconds = 0.0
+
+        reused, pending = prepare(kv, committed)
+        start = time.perf_counter()
+        root_logits = kv.extend_chain(pending)[-1]
+        forward_seconds += time.perf_counter() - start
+
+        want: dict[int, int] = {}
+        for parent in shape:
+            want[parent] = want.get(parent, 0) + 1
+        tokens: list[int] = []
+        parents: list[int] = []
+        shape_of: list[int] = []  # new node → its shape index
+        slot: dict[int, int] = {-1: len(pending) - 1}  # new node → block entry in the cache
+        rows: dict[int, torch.Tensor] = {-1: _warp(root_logits, params)}
+        depth_of: dict[int, int] = {-1: 0}
+        old_to_new: dict[int, int] = {-1: -1}
+        expanded: dict[int, list[int]] = {}
+        source = TorchRandomSource.from_seed(request.seed, "draft", position) if request.strategy == "sample" else None
+
+        def forward(nodes: list[int]) -> None:
+            nonlocal forward_seconds
+            first = kv.block_len
+            began = time.perf_counter()
+            logits = kv.extend([tokens[n] for n in nodes], [slot[parents[n]] for n in nodes])
+            forward_seconds += time.perf_counter() - began
+            warped = _warp(logits, params)
+            for j, node in enumerate(nodes):
+                slot[node] = first + j
+                rows[node] = warped[j]
+
+        def row_of(node: int) -> torch.Tensor:
+            if node not in rows:
+                # Everything known that will need a row goes into this pass (its parents are cached).
+                forward([n for n in range(len(tokens)) if n not in slot and want.get(shape_of[n], 0) > 0])
+            return rows[node]
+
+        # Same loop as specdec.drafting.draft_tree, with rows coming from the cache.
+        for shape_index, shape_parent in enumerate(shape):
+            new_parent = old_to_new.get(shape_parent)
+            if new_parent is None:  # the parent was dropped (support ran out): drop the subtree
+                continue
+            if shape_parent not in expanded:
+                row = row_of(new_parent)
+                e = race(request.seed, position + depth_of[new_parent], vocab) if request.strategy == "race" else None
+                expanded[shape_parent] = select_children(row, want[shape_parent], request.strategy, source, e)
+            choices = expanded[shape_parent]
+            if not choices:
+                continue
+            node = len(tokens)
+            old_to_new[shape_index] = node
+            depth_of[node] = depth_of[new_parent] + 1
+            tokens.append(choices.pop(0))
+            parents.append(new_parent)
+            shape_of.append(shape_index)
+
+        if request.include_leaf_rows:
+            leaves = [n for n in range(len(tokens)) if n not in slot]
+            if leaves:
+                forward(leaves)
+
+        draft_probs = None
+        if request.want_distributions:
+            draft_probs = torch.zeros((len(tokens) + 1, vocab), dtype=torch.float32)
+            for node, row in rows.items():
+                draft_probs[node + 1] = row.to(torch.float32).cpu()
+
+        # Keep the committed tokens and the first root-to-leaf path that is in the cache.
+        first_child: dict[int, int] = {}
+        for node, parent in enumerate(parents):
+            first_child.setdefault(parent, node)
+        path, node = [], -1
+        while node in first_child and first_child[node] in slot:
+            node = first_child[node]
+            path.append(slot[node])
+        kv.settle(list(range(len(pending))) + path)
+
+        return DraftResult(
+            tokens=tokens,
+            parents=parents,
+            draft_probs=draft_probs,
+            forward_seconds=forward_seconds,
+            reused_tokens=reused,
+        )
+
+
+def _warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    return warp_logits(logits.float(), params)
+
+
+def _max_depth(shape: list[int]) -> int:
+    depths: list[int] = []
+    for parent in shape:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return max(depths, default=0)
+
+
+def _check_request(request: DraftRequest) -> list[int]:
+    if request.strategy not in DRAFT_STRATEGIES:
+        raise InvalidRequest(f"strategy must be one of {DRAFT_STRATEGIES}, got {request.strategy!r}")
+    if not isinstance(request.sampling, SamplingParams):
+        raise InvalidRequest("sampling must be a SamplingParams")
+    if not isinstance(request.seed, int):
+        raise InvalidRequest(f"seed must be an integer, got {request.seed!r}")
+    shape = [int(p) for p in request.shape_parents]
+    if len(shape) > MAX_TREE_NODES:
+        raise InvalidRequest(f"shape_parents holds {len(shape)} nodes; at most {MAX_TREE_NODES} are allowed")
+    for i, parent in enumerate(shape):
+        if not -1 <= parent < i:
+            raise InvalidRequest(f"shape_parents[{i}] = {parent}; parents must precede their children (-1 = root)")
+    return shape

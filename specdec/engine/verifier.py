@@ -1,0 +1,239 @@
+"""The verifier engine: the target model, per-session caches, scoring and verification.
+
+`verify` scores the committed tokens not yet cached plus the whole draft tree in one forward
+pass (specdec.runtime.scoring), warps the target rows with the request's sampling parameters,
+runs the verification method next to them (the rows never leave this process), keeps the
+accepted path in the cache and commits accepted path + extra token. The extra token is
+committed but not cached: it is the first pending token of the next call.
+
+`score` runs the same forward pass early (before the drafter's distributions exist) and parks
+its rows; a `verify` for the same committed sequence and tree uses them instead of recomputing.
+Both hold the session's lock, so a verify that arrives while its score is still running waits
+for it. A score that arrives after its verify (possible over the network) is ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.engine.api import (
+    InvalidRequest,
+    ModelInfo,
+    ScoreRequest,
+    VerifyOutcome,
+    VerifyRequest,
+)
+from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
+from specdec.randomness import TorchRandomSource
+from specdec.runtime.kv import TreeKVCache
+from specdec.runtime.loading import LoadedModel
+from specdec.runtime.scoring import TreeScore, commit_path, score_tree
+from specdec.sampling import SamplingParams, warp_logits
+from specdec.trees import DraftTree, DraftTreeError
+from specdec.verification.base import METHODS, MethodParams, VerificationError
+
+MAX_TREE_NODES = 1024
+# Methods whose empty-tree case reads no draft row (it is one sample from the target's row 0).
+_NO_DRAFT_ROWS_WHEN_EMPTY = ("token", "block", "gsd-tree")
+
+
+@dataclass
+class _Scored:
+    key: tuple
+    score: TreeScore
+    forward_seconds: float
+
+
+@dataclass
+class VerifierSession:
+    kv: TreeKVCache
+    committed: list[int] = field(default_factory=list)
+    scored: _Scored | None = None  # rows of an early score, waiting for their verify
+    last_verified: tuple | None = None  # key of the last verify (to ignore a late score)
+
+
+def _key(committed: list[int], tree: DraftTree) -> tuple:
+    return (tuple(committed), tree.tokens, tree.parents)
+
+
+class VerifierEngine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        sessions: SessionConfig | None = None,
+        clock=time.monotonic,
+        verify_fn: Callable | None = None,
+        needs_draft_probs_fn: Callable | None = None,
+    ) -> None:
+        """`verify_fn` / `needs_draft_probs_fn` default to specdec.verification's (tests may swap them)."""
+        if verify_fn is None or needs_draft_probs_fn is None:
+            from specdec.verification import needs_draft_probs, verify
+
+            verify_fn = verify_fn or verify
+            needs_draft_probs_fn = needs_draft_probs_fn or needs_draft_probs
+        self.loaded = loaded
+        self._verify = verify_fn
+        self._needs_draft_probs = needs_draft_probs_fn
+        self._forward_lock = threading.Lock()  # one forward pass at a time on this model
+        self.sessions: SessionStore[VerifierSession] = SessionStore(self._new_session, sessions, clock)
+        self.score_hits = 0  # verifies that used an earlier score's rows
+        self.late_scores = 0  # scores ignored because their verify had already run
+
+    def _new_session(self) -> VerifierSession:
+        return VerifierSession(kv=TreeKVCache(self.loaded.model, lock=self._forward_lock))
+
+    # plain calls ----------------------------------------------------------------------------
+    def info(self) -> ModelInfo:
+        return self.loaded.info
+
+    def release(self, session_id: str) -> bool:
+        return self.sessions.release(session_id)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Ids of `text` with the tokenizer's own conventions (add_special_tokens=True).
+
+        That adds a BOS token only for tokenizers configured to (Llama-style); Qwen2 and the
+        tiny word-level tokenizers add nothing. No chat template is applied.
+        """
+        if not isinstance(text, str):
+            raise InvalidRequest("text must be a string")
+        return [int(t) for t in self.loaded.tokenizer.encode(text, add_special_tokens=True)]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of the ids, special tokens included (skip_special_tokens=False): exact, never lossy."""
+        check_tokens("token_ids", token_ids, self.loaded.info.vocab_size)
+        return self.loaded.tokenizer.decode(
+            [int(t) for t in token_ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    # scoring --------------------------------------------------------------------------------
+    def score(self, request: ScoreRequest) -> None:
+        """Run the forward pass for (committed + tree) now; returns when its rows are parked."""
+        tree = self._tree(request.tree_tokens, request.tree_parents)
+        _check_sampling(request.sampling)
+        with self.sessions.use(request.session_id, request.base_len) as session:
+            committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
+            key = _key(committed, tree)
+            if session.last_verified == key:
+                self.late_scores += 1
+                return
+            if session.scored is not None and session.scored.key == key:
+                return
+            session.scored = None
+            score, seconds = self._forward(session, committed, tree)
+            session.scored = _Scored(key, score, seconds)
+
+    def verify(self, request: VerifyRequest) -> VerifyOutcome:
+        tree = self._tree(request.tree_tokens, request.tree_parents)
+        _check_sampling(request.sampling)
+        if request.method not in METHODS:
+            raise InvalidRequest(f"method must be one of {', '.join(METHODS)}, got {request.method!r}")
+        if not isinstance(request.params, MethodParams):
+            raise InvalidRequest("params must be a MethodParams")
+        draft_probs = self._draft_rows(request, tree)
+        with self.sessions.use(request.session_id, request.base_len) as session:
+            committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
+            key = _key(committed, tree)
+            scored, session.scored = session.scored, None
+            if scored is not None and scored.key == key:
+                score, forward_seconds = scored.score, scored.forward_seconds
+                self.score_hits += 1
+            else:
+                score, forward_seconds = self._forward(session, committed, tree)
+
+            began = time.perf_counter()
+            target_rows = warp_logits(score.logits, request.sampling)
+            if draft_probs is None and len(tree) == 0 and request.method in _NO_DRAFT_ROWS_WHEN_EMPTY:
+                draft_probs = target_rows  # shape placeholder: an empty tree's step reads no draft row
+            elif draft_probs is not None:
+                draft_probs = draft_probs.to(target_rows.device)
+            # The engine knows the committed length; ERSD's races are keyed on it.
+            params = dataclasses.replace(request.params, position=len(committed))
+            source = TorchRandomSource.from_seed(params.seed, "verify", len(committed))
+            try:
+                result = self._verify(request.method, tree, target_rows, draft_probs, params, source)
+            except VerificationError as exc:
+                raise InvalidRequest(f"verification failed: {exc}") from exc
+            verify_seconds = time.perf_counter() - began
+
+            try:
+                commit_path(session.kv, score.pending_len, result.accepted_nodes)
+            except BaseException:
+                session.kv = self._new_session().kv
+                raise
+            session.committed = committed + [int(t) for t in result.tokens]
+            session.last_verified = key
+            return VerifyOutcome(
+                tokens=[int(t) for t in result.tokens],
+                accepted_nodes=[int(n) for n in result.accepted_nodes],
+                accept_flags=[bool(f) for f in result.accept_flags],
+                num_drafted=len(tree),
+                committed_len=len(session.committed),
+                forward_seconds=forward_seconds,
+                verify_seconds=verify_seconds,
+                reused_tokens=score.reused,
+                extra={
+                    "pending_tokens": float(score.pending_len),
+                    "score_reused": 1.0 if scored is not None and scored.key == key else 0.0,
+                },
+            )
+
+    # helpers --------------------------------------------------------------------------------
+    def _forward(self, session: VerifierSession, committed: list[int], tree: DraftTree) -> tuple[TreeScore, float]:
+        began = time.perf_counter()
+        try:
+            score = score_tree(session.kv, committed, tree)
+        except BaseException:
+            session.kv = self._new_session().kv  # never keep a cache in an unknown state
+            raise
+        return score, time.perf_counter() - began
+
+    def _committed(
+        self, session: VerifierSession, session_id: str, base_len: int, append: list[int], tree: DraftTree
+    ) -> list[int]:
+        committed = advance(session.committed, session_id, base_len, append)
+        check_tokens("append", append, self.loaded.info.vocab_size)
+        check_context(len(committed) + tree.max_depth, self.loaded.info.max_context)
+        return committed
+
+    def _tree(self, tokens: list[int], parents: list[int]) -> DraftTree:
+        if len(tokens) > MAX_TREE_NODES:
+            raise InvalidRequest(f"tree_tokens holds {len(tokens)} nodes; at most {MAX_TREE_NODES} are allowed")
+        if len(tokens) != len(parents):
+            raise InvalidRequest(f"tree_parents has {len(parents)} entries for {len(tokens)} tree_tokens")
+        check_tokens("tree_tokens", tokens, self.loaded.info.vocab_size)
+        try:
+            return DraftTree(tuple(tokens), tuple(parents))
+        except DraftTreeError as exc:
+            raise InvalidRequest(f"tree_parents: {exc}") from exc
+
+    def _draft_rows(self, request: VerifyRequest, tree: DraftTree) -> torch.Tensor | None:
+        try:
+            needed = self._needs_draft_probs(request.method, request.params)
+        except VerificationError as exc:
+            raise InvalidRequest(f"params: {exc}") from exc
+        rows = request.draft_probs
+        if not needed:
+            return None
+        if rows is None:
+            if len(tree) == 0 and request.method in _NO_DRAFT_ROWS_WHEN_EMPTY:
+                return None
+            raise InvalidRequest(f"draft_probs are required by method {request.method!r}")
+        vocab = self.loaded.info.vocab_size
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or tuple(rows.shape) != (len(tree) + 1, vocab):
+            shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise InvalidRequest(f"draft_probs must have shape [n + 1, V] = [{len(tree) + 1}, {vocab}], got {shape}")
+        if not rows.is_floating_point():
+            raise InvalidRequest(f"draft_probs must be floating point, got {rows.dtype}")
+        return rows
+
+
+def _check_sampling(sampling: object) -> None:
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequest("sampling must be a SamplingParams")

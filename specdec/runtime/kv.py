@@ -1,0 +1,198 @@
+"""A per-session KV cache that can hold a token tree and roll back to any prefix.
+
+Layout of the cache entries along the sequence dimension:
+
+    [ prefix (linear: entry i holds token i) | block (a tree hanging off the prefix's end) ]
+
+Every forward pass appends entries to the block. A block entry names its parent block entry
+(-1 = the end of the prefix), so committed tokens not yet cached are a chain in the block and
+draft-tree nodes hang off that chain. An entry attends to the whole prefix plus its own
+ancestors and itself, at position id len(prefix) + depth − 1 — exactly what the model would
+compute for that root-to-node path on its own. After the step, `settle(path)` keeps one chain
+of the block as the new end of the prefix (gathering entries along the sequence dimension) and
+drops the rest; `truncate(n)` rolls back to a shorter prefix. No accepted token is recomputed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import torch
+
+
+class CacheError(RuntimeError):
+    """Inconsistent use of the cache (a bug in the caller, not a bad request)."""
+
+
+class TreeKVCache:
+    def __init__(self, model, lock: threading.Lock | None = None) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.lock = lock  # held around forward passes (one pass at a time per model) when given
+        self.cache = DynamicCache(config=model.config)
+        self.prefix: list[int] = []
+        self.block_tokens: list[int] = []
+        self.block_parents: list[int] = []
+        self._block_depths: list[int] = []
+        # Bool [b, b]: ancestor-or-self among block entries; grown as entries are appended.
+        self._block_visible = torch.zeros((0, 0), dtype=torch.bool)
+
+    # state ------------------------------------------------------------------------------------
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prefix)
+
+    @property
+    def block_len(self) -> int:
+        return len(self.block_tokens)
+
+    def physical_len(self) -> int:
+        return self.cache.get_seq_length()
+
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        """Length of the longest common prefix of `tokens` and the cached prefix."""
+        n = 0
+        for cached, wanted in zip(self.prefix, tokens, strict=False):
+            if cached != wanted:
+                break
+            n += 1
+        return n
+
+    def depth(self, entry: int) -> int:
+        return self._block_depths[entry]
+
+    def path_to(self, entry: int) -> list[int]:
+        """Block entries from the prefix's end down to `entry` (inclusive)."""
+        path = []
+        while entry >= 0:
+            path.append(entry)
+            entry = self.block_parents[entry]
+        return path[::-1]
+
+    # rollback -----------------------------------------------------------------------------------
+    def truncate(self, length: int) -> None:
+        """Drop the block and keep only the first `length` prefix entries."""
+        if not 0 <= length <= self.prefix_len:
+            raise CacheError(f"cannot truncate a prefix of {self.prefix_len} entries to {length}")
+        self._keep_first(length)
+        self.prefix = self.prefix[:length]
+        self._clear_block()
+
+    def settle(self, path: Sequence[int]) -> None:
+        """Make the chain of block entries `path` (from the prefix's end down) part of the prefix.
+
+        Every other block entry is dropped. When the chain is the block's first entries in
+        order (a sequence draft, fully accepted) this is a plain crop; otherwise the kept
+        entries are gathered along the sequence dimension.
+        """
+        path = [int(e) for e in path]
+        for i, entry in enumerate(path):
+            expected_parent = path[i - 1] if i > 0 else -1
+            if not 0 <= entry < self.block_len or self.block_parents[entry] != expected_parent:
+                raise CacheError(f"block entries {path} are not a chain from the prefix's end")
+        start = self.prefix_len
+        if path == list(range(len(path))):
+            self._keep_first(start + len(path))
+        else:
+            index = torch.cat([torch.arange(start), torch.tensor(path, dtype=torch.long) + start])
+            self._gather(index)
+        self.prefix = self.prefix + [self.block_tokens[e] for e in path]
+        self._clear_block()
+
+    def _clear_block(self) -> None:
+        self.block_tokens = []
+        self.block_parents = []
+        self._block_depths = []
+        self._block_visible = torch.zeros((0, 0), dtype=torch.bool)
+
+    def _layers(self):
+        layers = getattr(self.cache, "layers", None)
+        if layers is None:
+            raise CacheError("this transformers version's DynamicCache has no .layers")
+        return layers
+
+    def _keep_first(self, length: int) -> None:
+        for layer in self._layers():
+            if getattr(layer, "is_sliding", False):
+                raise CacheError("sliding-window attention layers are not supported by the tree cache")
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            if layer.keys.shape[-2] > length:
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+
+    def _gather(self, index: torch.Tensor) -> None:
+        for layer in self._layers():
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            idx = index.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+
+    # forward ----------------------------------------------------------------------------------
+    def extend(self, tokens: Sequence[int], parents: Sequence[int], rows_from: int = 0) -> torch.Tensor:
+        """Forward new block entries in one pass; return float32 logits of entries rows_from.. [m, V].
+
+        `parents[j]` is a block entry index (an existing one, or a new one earlier in this call)
+        or -1 for the prefix's end. Only the logits of the new entries from `rows_from` on are
+        projected to the vocabulary (long committed chains need just their last row).
+        """
+        n_new = len(tokens)
+        if n_new == 0 or len(parents) != n_new:
+            raise CacheError(f"extend needs >= 1 entry and one parent each ({n_new} tokens, {len(parents)} parents)")
+        if not 0 <= rows_from < n_new:
+            raise CacheError(f"rows_from must lie in [0, {n_new}), got {rows_from}")
+        if self.physical_len() != self.prefix_len + self.block_len:
+            raise CacheError("cache entries and bookkeeping disagree")
+        old_b = self.block_len
+        new_b = old_b + n_new
+        visible = torch.zeros((new_b, new_b), dtype=torch.bool)
+        visible[:old_b, :old_b] = self._block_visible
+        depths = list(self._block_depths)
+        for j, parent in enumerate(parents):
+            entry = old_b + j
+            parent = int(parent)
+            if not -1 <= parent < entry:
+                raise CacheError(f"new block entry {entry} has parent {parent}")
+            visible[entry, entry] = True
+            if parent >= 0:
+                visible[entry] |= visible[parent]
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+
+        prefix_len = self.prefix_len
+        device = next(self.model.parameters()).device
+        dtype = next(self.model.parameters()).dtype
+        allowed = torch.cat(
+            [torch.ones((n_new, prefix_len), dtype=torch.bool), visible[old_b:new_b, :new_b]], dim=1
+        )
+        # Additive float mask: eager attention adds it to the scores, sdpa accepts it as is.
+        mask = torch.zeros(allowed.shape, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        positions = torch.tensor([prefix_len + d - 1 for d in depths[old_b:]], dtype=torch.long)
+        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        with self.lock or nullcontext(), torch.no_grad():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask[None, None].to(device),
+                position_ids=positions[None].to(device),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=n_new - rows_from,
+            )
+        self.block_tokens.extend(int(t) for t in tokens)
+        self.block_parents.extend(int(p) for p in parents)
+        self._block_depths = depths
+        self._block_visible = visible
+        if self.physical_len() != prefix_len + new_b:
+            raise CacheError("the model did not append one cache entry per input token")
+        return out.logits[0].float()
+
+    def extend_chain(self, tokens: Sequence[int], rows_from: int | None = None) -> torch.Tensor:
+        """Append a causal chain at the prefix's end (block must be empty); logits of the last row by default."""
+        if self.block_len:
+            raise CacheError("extend_chain needs an empty block")
+        n = len(tokens)
+        return self.extend(tokens, list(range(-1, n - 1)), n - 1 if rows_from is None else rows_from)

@@ -1,0 +1,58 @@
+"""Scoring a committed sequence + a draft tree in one forward pass, on a reusable cache.
+
+`score_tree` brings the cache to the committed sequence (reusing the longest common prefix,
+always re-forwarding at least the last committed token, whose logits give row 0) and scores
+the tree's nodes in the same pass. The returned logits follow the verification row layout:
+row 0 after the committed prefix, row i + 1 after the path root → node i. `commit_path`
+then keeps the committed tokens and the accepted nodes in the cache and drops the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.runtime.kv import TreeKVCache
+from specdec.trees import DraftTree
+
+
+@dataclass
+class TreeScore:
+    logits: torch.Tensor  # float32 [n + 1, V], verification row layout
+    pending_len: int  # committed tokens forwarded in this pass (>= 1)
+    reused: int  # committed tokens whose cache entries were reused
+
+
+def prepare(kv: TreeKVCache, committed: Sequence[int]) -> tuple[int, list[int]]:
+    """Roll the cache back to the longest reusable prefix of `committed`.
+
+    Returns (reused, pending): the last committed token is always pending so that its logits
+    (the distribution of the next token) come out of the next forward pass.
+    """
+    if not committed:
+        raise ValueError("the committed sequence must hold at least one token")
+    reused = min(kv.common_prefix(committed), len(committed) - 1)
+    kv.truncate(reused)
+    return reused, list(committed[reused:])
+
+
+def tree_block(pending_len: int, tree: DraftTree) -> list[int]:
+    """Block parents for `pending` (a chain) followed by the tree's nodes (hanging off its end)."""
+    parents = list(range(-1, pending_len - 1))
+    parents += [pending_len - 1 if p < 0 else pending_len + p for p in tree.parents]
+    return parents
+
+
+def score_tree(kv: TreeKVCache, committed: Sequence[int], tree: DraftTree) -> TreeScore:
+    """One forward pass over the pending committed tokens and every tree node."""
+    reused, pending = prepare(kv, committed)
+    tokens = pending + list(tree.tokens)
+    logits = kv.extend(tokens, tree_block(len(pending), tree), rows_from=len(pending) - 1)
+    return TreeScore(logits=logits, pending_len=len(pending), reused=reused)
+
+
+def commit_path(kv: TreeKVCache, pending_len: int, accepted_nodes: Sequence[int]) -> None:
+    """Keep the pending tokens and the accepted nodes (a root-to-node path) in the cache."""
+    kv.settle(list(range(pending_len)) + [pending_len + int(node) for node in accepted_nodes])

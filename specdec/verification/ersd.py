@@ -1,0 +1,57 @@
+"""ERSD verification with position-keyed exponential races (ALGORITHMS.md §4).
+
+At each node (from the root) the output is the winner of race(seed, position + depth) under the
+target row of that node; if a child carries that token the path descends into it, otherwise the
+winner is emitted and the iteration stops; at a leaf the winner is emitted too. The output is
+therefore, token for token, what target-only race decoding would emit: the drafter only decides
+how many of those tokens one target pass confirms. No RandomSource, no draft distributions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.races import race, race_scores
+from specdec.randomness import RandomSource
+from specdec.trees import DraftTree
+from specdec.verification.base import MethodParams, VerificationError, VerifyResult
+
+if TYPE_CHECKING:
+    from specdec.verification.methods import Rows
+
+
+def verify_ersd(
+    tree: DraftTree,
+    target: Rows,
+    draft: Rows | None,
+    params: MethodParams,
+    source: RandomSource | None = None,
+) -> VerifyResult:
+    if params.position < 0:
+        raise VerificationError(f"position must be >= 0, got {params.position}")
+    node, depth = -1, 0
+    tokens: list[int] = []
+    accepted: list[int] = []
+    flags: list[bool] = []
+    while True:
+        # argmin e/D does not change when D is scaled, so the raw row is used as sent (read in
+        # float64 by race_scores, on the CPU like the race) and no normalisation pass is needed.
+        e = race(params.seed, params.position + depth, target.vocab)
+        scores = race_scores(e, target.raw[node + 1].to("cpu"))
+        winner = int(torch.argmin(scores).item())
+        if not bool(torch.isfinite(scores[winner])):
+            raise VerificationError(f"target row {node + 1} has no positive mass")
+        tokens.append(winner)
+        children = tree.children(node)
+        if not children:
+            break
+        match = next((c for c in children if tree.tokens[c] == winner), None)
+        if match is None:
+            flags.append(False)
+            break
+        flags.append(True)
+        accepted.append(match)
+        node, depth = match, depth + 1
+    return VerifyResult(tokens, accepted, flags)

@@ -1,0 +1,130 @@
+"""Tests for specdec.races: reproducible position-keyed Exp(1) races and their winners/arrivals."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from specdec.races import race, race_arrivals, race_scores, race_winner
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _digest(e: torch.Tensor) -> str:
+    return hashlib.sha256(e.numpy().tobytes()).hexdigest()
+
+
+def test_race_is_reproducible_across_calls_and_processes():
+    e = race(1234, 17, 1000)
+    assert e.dtype == torch.float64 and e.shape == (1000,)
+    assert torch.equal(e, race(1234, 17, 1000))
+    code = (
+        "import hashlib; from specdec.races import race; "
+        "print(hashlib.sha256(race(1234, 17, 1000).numpy().tobytes()).hexdigest())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == _digest(e)
+
+
+def test_race_of_a_larger_vocabulary_extends_the_smaller_one():
+    # raw_j is the j-th output of the position's stream, so the vocabulary only truncates it
+    assert torch.equal(race(5, 3, 64), race(5, 3, 200)[:64])
+
+
+def test_different_positions_and_seeds_give_unrelated_races():
+    base = race(7, 0, 4096)
+    others = [race(7, 1, 4096), race(7, 2**40, 4096), race(8, 0, 4096), race(-7, 0, 4096)]
+    for other in others:
+        assert not torch.any(base == other)
+        rho = stats.spearmanr(base.numpy(), other.numpy()).statistic
+        assert abs(rho) < 0.08  # ~5 standard deviations of 1/sqrt(4096)
+    with pytest.raises(ValueError):
+        race(7, -1, 10)
+
+
+def test_race_values_are_exp1():
+    n = 200_000
+    e = race(99, 3, n).numpy()
+    assert np.all(e > 0) and np.all(np.isfinite(e))
+    assert abs(e.mean() - 1) < 5 / math.sqrt(n)
+    assert abs(e.var() - 1) < 5 * math.sqrt(8 / n)  # Var of the sample variance of Exp(1) ≈ 8/n
+    assert stats.kstest(e, "expon").pvalue > 1e-4
+    # pooled over positions too (independent streams)
+    pooled = np.concatenate([race(99, pos, 50).numpy() for pos in range(2000)])
+    assert stats.kstest(pooled, "expon").pvalue > 1e-4
+
+
+def test_winner_is_distributed_as_d_and_zero_probability_never_wins():
+    dist = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.4, 0.1], dtype=torch.float64)
+    n = 8_000
+    counts = np.zeros(6)
+    for pos in range(n):
+        counts[race_winner(race(2024, pos, 6), dist)] += 1
+    assert counts[2] == 0
+    support = dist.numpy() > 0
+    chi2 = stats.chisquare(counts[support], n * dist.numpy()[support])
+    assert chi2.pvalue > 1e-4
+
+
+def test_first_two_arrivals_are_a_sample_without_replacement():
+    # Plackett–Luce: Pr(first = x, second = y) = D(x)·D(y)/(1 − D(x))
+    dist = np.array([0.1, 0.2, 0.3, 0.4])
+    n = 8_000
+    counts = {}
+    for pos in range(n):
+        pair = tuple(race_arrivals(race(77, pos, 4), torch.tensor(dist), 2))
+        counts[pair] = counts.get(pair, 0) + 1
+    pairs = [(x, y) for x in range(4) for y in range(4) if x != y]
+    observed = np.array([counts.get(p, 0) for p in pairs])
+    expected = np.array([n * dist[x] * dist[y] / (1 - dist[x]) for x, y in pairs])
+    assert observed.sum() == n
+    assert stats.chisquare(observed, expected).pvalue > 1e-4
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(-(2**62), 2**62), position=st.integers(0, 2**40), data=st.data())
+def test_arrivals_are_distinct_ordered_and_start_with_the_winner(seed, position, data):
+    vocab = data.draw(st.integers(1, 40))
+    weight = st.one_of(st.just(0.0), st.floats(1e-6, 1.0))
+    dist = torch.tensor(data.draw(st.lists(weight, min_size=vocab, max_size=vocab)), dtype=torch.float64)
+    e = race(seed, position, vocab)
+    m = data.draw(st.integers(0, vocab + 2))
+    arrivals = race_arrivals(e, dist, m)
+    support = int((dist > 0).sum())
+    assert len(arrivals) == min(m, support)
+    assert len(set(arrivals)) == len(arrivals)
+    assert all(dist[x] > 0 for x in arrivals)
+    scores = race_scores(e, dist)
+    assert all(scores[a] <= scores[b] for a, b in zip(arrivals, arrivals[1:], strict=False))
+    # they are the m smallest arrival times
+    finite = sorted(float(s) for s in scores if math.isfinite(float(s)))
+    assert [float(scores[a]) for a in arrivals] == finite[: len(arrivals)]
+    if support:
+        winner = race_winner(e, dist)
+        assert dist[winner] > 0
+        assert winner == race_arrivals(e, dist, 1)[0]
+        d = dist.numpy()
+        assert winner == int(np.argmin(np.where(d > 0, e.numpy() / np.where(d > 0, d, 1.0), np.inf)))
+    else:
+        assert arrivals == []
+
+
+def test_scores_are_infinite_exactly_off_the_support():
+    e = race(1, 1, 5)
+    dist = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0], dtype=torch.float32)
+    scores = race_scores(e, dist)
+    assert scores.dtype == torch.float64
+    assert torch.isinf(scores[[0, 2, 4]]).all() and torch.isfinite(scores[[1, 3]]).all()
+    assert race_arrivals(e, dist, 0) == []
+    assert sorted(race_arrivals(e, dist, 10)) == [1, 3]

@@ -1,0 +1,102 @@
+"""`specdec --help` for every command: exit 0 and every option is explained, with its default.
+
+Runs the typer app in-process (CliRunner): no model, no server, a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import re
+
+import click
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from orchestrator import cli
+
+COMMANDS = [
+    [],
+    ["models"],
+    ["models", "install"],
+    ["models", "list"],
+    ["serve"],
+    ["serve", "drafter"],
+    ["serve", "verifier"],
+    ["serve", "orchestrator"],
+    ["up"],
+    ["generate"],
+]
+
+
+def _command(path: list[str]) -> click.Command:
+    command = typer.main.get_command(cli.app)
+    for name in path:
+        command = command.commands[name]
+    return command
+
+
+def _help(path: list[str]) -> str:
+    result = CliRunner().invoke(cli.app, [*path, "--help"], env={"COLUMNS": "220", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    return re.sub(r"\s+", " ", result.output)
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=lambda p: " ".join(p) or "specdec")
+def test_help_mentions_every_option(path: list[str]) -> None:
+    text = _help(path)
+    command = _command(path)
+    assert command.help, f"{path} has no help text"
+    for param in command.params:
+        if isinstance(param, click.Option):
+            for opt in param.opts:
+                assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", text), f"{opt} missing from {path} --help"
+            assert param.help, f"{param.opts[0]} of {path} has no help"
+    if isinstance(command, click.Group):
+        for name in command.commands:
+            assert name in text
+
+
+@pytest.mark.parametrize("path", [["up"], ["generate"], ["serve", "drafter"], ["serve", "orchestrator"]])
+def test_help_shows_defaults(path: list[str]) -> None:
+    text = _help(path)
+    for param in _command(path).params:
+        if isinstance(param, click.Option) and param.show_default is not False and not param.is_flag \
+                and param.default is not None:
+            assert f"[default: {param.default}]" in text, f"{param.opts[0]} default missing from {path} --help"
+
+
+def test_generate_help_names_methods_and_default_address() -> None:
+    text = _help(["generate"])
+    for method in cli.METHODS:
+        assert method in text
+    assert "127.0.0.1:50050" in text
+
+
+def test_cli_constants_match_the_modules_they_mirror() -> None:
+    """The CLI repeats a few values to keep --help free of torch/grpc imports; they must agree."""
+    from orchestrator.api import GENERATION_METHODS
+    from proto.grpc_support import DEFAULT_MAX_MESSAGE_MB
+    from specdec import models
+
+    assert cli.METHODS == tuple(GENERATION_METHODS)
+    assert (cli.DEFAULT_DRAFT, cli.DEFAULT_TARGET) == (models.DEFAULT_DRAFT_MODEL, models.DEFAULT_TARGET_MODEL)
+    assert cli.DEFAULT_MAX_MESSAGE_MB == DEFAULT_MAX_MESSAGE_MB
+
+
+def test_bad_usage_exits_2_without_traceback() -> None:
+    runner = CliRunner()
+    for args in (["generate", "--draft", "x"], ["generate", "--prompt-ids", "1,a"],
+                 ["generate", "p", "--prompt", "q"], ["up", "--drafter-cores", "x"]):
+        result = runner.invoke(cli.app, args, env={"COLUMNS": "220"})
+        assert result.exit_code == 2, (args, result.output)
+        assert "Traceback" not in result.output
+
+
+def test_up_reports_missing_model_with_the_install_command(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))  # an empty model store
+    result = CliRunner().invoke(cli.app, ["up"], env={"COLUMNS": "220"})
+    assert result.exit_code == 1
+    assert "not installed" in result.output
+    assert f"specdec models install {cli.DEFAULT_DRAFT}" in result.output
+    result = CliRunner().invoke(cli.app, ["up", "--draft", str(tmp_path / "nope")], env={"COLUMNS": "220"})
+    assert result.exit_code == 1 and "no such file or directory" in result.output

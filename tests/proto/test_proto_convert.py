@@ -1,0 +1,389 @@
+"""Dataclass ⇄ message conversions: lossless round trips (through bytes), defaults, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.api import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    IterationRecord,
+)
+from proto import convert
+from proto.specdec.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2
+from specdec.engine.api import (
+    DraftRequest,
+    DraftResult,
+    InvalidRequest,
+    ModelInfo,
+    ScoreRequest,
+    VerifyOutcome,
+    VerifyRequest,
+)
+from specdec.sampling import SamplingParams, SamplingParamsError
+from specdec.verification.base import MethodParams
+
+FAST = settings(max_examples=60, deadline=None)
+
+tokens = st.lists(st.integers(0, 2**31 - 1), max_size=12)
+parents = st.lists(st.integers(-1, 30), max_size=12)
+finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+non_negative = st.floats(0, 1e6, allow_nan=False)
+seeds = st.integers(0, 2**64 - 1)
+sampling = st.builds(
+    SamplingParams,
+    temperature=st.floats(0, 100, allow_nan=False),
+    top_k=st.integers(0, 2**31 - 1),
+    top_p=st.floats(0, 1, exclude_min=True, allow_nan=False),
+)
+method_params = st.builds(
+    MethodParams, a=st.floats(0, 1), k_max=st.integers(0, 64), seed=seeds, position=st.integers(0, 2**40)
+)
+
+
+def via_bytes(msg):
+    """Serialise and parse back, so the test covers the wire, not just the message objects."""
+    return type(msg).FromString(msg.SerializeToString())
+
+
+def tensor_or_none(draw_shape):
+    return st.one_of(st.none(), draw_shape)
+
+
+@st.composite
+def prob_rows(draw):
+    rows, vocab = draw(st.integers(1, 5)), draw(st.integers(1, 9))
+    values = draw(st.lists(st.floats(0, 1, width=32), min_size=rows * vocab, max_size=rows * vocab))
+    return torch.tensor(values, dtype=torch.float32).reshape(rows, vocab)
+
+
+def assert_same(a, b) -> None:
+    """Dataclass equality that compares tensors bit for bit."""
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            assert x is not None and y is not None, f.name
+            assert x.dtype == y.dtype == torch.float32 and x.shape == y.shape, f.name
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32)), f.name  # bitwise, NaN-safe
+        else:
+            assert x == y, f.name
+
+
+@FAST
+@given(sampling)
+def test_sampling_round_trip(params: SamplingParams) -> None:
+    assert convert.sampling_from_proto(via_bytes(convert.sampling_to_proto(params))) == params
+
+
+def test_sampling_keeps_double_precision() -> None:
+    """A float32 temperature would make the two sides warp with different numbers."""
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    back = convert.sampling_from_proto(via_bytes(convert.sampling_to_proto(params)))
+    assert back.temperature == 0.7 and back.top_p == 0.9
+
+
+def test_sampling_defaults_when_unset_and_validation() -> None:
+    assert convert.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
+    assert convert.sampling_from_proto(common_pb2.SamplingParams(), present=False) == SamplingParams()
+    assert convert.sampling_from_proto(common_pb2.SamplingParams(temperature=0.0)).greedy
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        convert.sampling_from_proto(common_pb2.SamplingParams(top_p=1.5))
+    with pytest.raises(SamplingParamsError, match="temperature"):
+        convert.sampling_from_proto(common_pb2.SamplingParams(temperature=-1.0))
+
+
+@FAST
+@given(method_params)
+def test_method_params_round_trip(params: MethodParams) -> None:
+    assert convert.method_params_from_proto(via_bytes(convert.method_params_to_proto(params))) == params
+
+
+def test_method_params_default_a_and_nan() -> None:
+    assert convert.method_params_from_proto(common_pb2.MethodParams()).a == 1.0
+    with pytest.raises(InvalidRequest, match="params.a"):
+        convert.method_params_from_proto(common_pb2.MethodParams(a=math.nan))
+
+
+@FAST
+@given(prob_rows())
+def test_tensor_round_trip_bitwise(rows: torch.Tensor) -> None:
+    msg = via_bytes(convert.tensor_to_proto(rows))
+    assert list(msg.shape) == list(rows.shape) and len(msg.data_f32) == rows.numel() * 4
+    back = convert.tensor_from_proto(msg)
+    assert back.dtype == torch.float32 and torch.equal(back, rows)
+    back[0, 0] = 5.0  # decoded tensors are writable copies, not views of the message bytes
+    assert msg.data_f32 == convert.tensor_to_proto(rows).data_f32
+
+
+def test_tensor_layout_is_little_endian_row_major() -> None:
+    t = torch.tensor([[1.0, 2.0], [3.0, 0.5]], dtype=torch.float32)
+    assert convert.tensor_to_proto(t).data_f32 == struct.pack("<4f", 1.0, 2.0, 3.0, 0.5)
+    non_contiguous = t.t()
+    assert convert.tensor_to_proto(non_contiguous).data_f32 == struct.pack("<4f", 1.0, 3.0, 2.0, 0.5)
+
+
+def test_tensor_only_float32() -> None:
+    with pytest.raises(TypeError, match="float32"):
+        convert.tensor_to_proto(torch.zeros(2, 3, dtype=torch.float64), "draft_probs")
+
+
+@pytest.mark.parametrize(
+    ("shape", "nbytes", "match"),
+    [
+        ([2, 3], 20, "draft_probs.data_f32"),
+        ([2, 3], 28, "draft_probs.data_f32"),
+        ([-1, 3], 0, "draft_probs.shape"),
+        ([1] * 9, 4, "draft_probs.shape"),
+    ],
+)
+def test_tensor_decode_validates_sizes(shape, nbytes, match) -> None:
+    msg = common_pb2.Tensor(shape=shape, data_f32=b"\0" * nbytes)
+    with pytest.raises(InvalidRequest, match=match):
+        convert.tensor_from_proto(msg, "draft_probs")
+
+
+def test_verify_request_with_bad_tensor_names_the_field() -> None:
+    msg = verifier_pb2.VerifyRequest(session_id="s", method="token")
+    msg.draft_probs.shape.extend([2, 2])
+    msg.draft_probs.data_f32 = b"\0" * 12
+    with pytest.raises(InvalidRequest, match="draft_probs"):
+        convert.verify_request_from_proto(msg)
+
+
+@FAST
+@given(
+    session=st.text(max_size=8),
+    base_len=st.integers(0, 2**40),
+    append=tokens,
+    shape=parents,
+    params=sampling,
+    seed=seeds,
+    strategy=st.sampled_from(["sample", "race"]),
+    want=st.booleans(),
+    leaf=st.booleans(),
+)
+def test_draft_request_round_trip(
+    session, base_len, append, shape, params, seed, strategy, want, leaf
+) -> None:
+    req = DraftRequest(session, base_len, append, shape, params, seed, strategy, want, leaf)
+    assert_same(convert.draft_request_from_proto(via_bytes(convert.draft_request_to_proto(req))), req)
+
+
+def test_draft_request_unset_strategy_is_sample() -> None:
+    assert convert.draft_request_from_proto(drafter_pb2.DraftRequest()).strategy == "sample"
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_seed_out_of_range_is_invalid(seed: int) -> None:
+    req = DraftRequest("s", 0, [], [], SamplingParams(), seed)
+    with pytest.raises(InvalidRequest, match="seed"):
+        convert.draft_request_to_proto(req)
+
+
+@FAST
+@given(
+    toks=tokens,
+    pars=parents,
+    rows=tensor_or_none(prob_rows()),
+    fwd=non_negative,
+    reused=st.integers(0, 10**6),
+)
+def test_draft_result_round_trip(toks, pars, rows, fwd, reused) -> None:
+    result = DraftResult(toks, pars, rows, fwd, reused)
+    assert_same(convert.draft_result_from_proto(via_bytes(convert.draft_result_to_proto(result))), result)
+
+
+@FAST
+@given(
+    session=st.text(max_size=8),
+    base_len=st.integers(0, 10**6),
+    append=tokens,
+    tree=tokens,
+    pars=parents,
+    params=sampling,
+)
+def test_score_request_round_trip(session, base_len, append, tree, pars, params) -> None:
+    req = ScoreRequest(session, base_len, append, tree, pars, params)
+    assert_same(convert.score_request_from_proto(via_bytes(convert.score_request_to_proto(req))), req)
+
+
+@FAST
+@given(
+    session=st.text(max_size=8),
+    base_len=st.integers(0, 10**6),
+    append=tokens,
+    tree=tokens,
+    pars=parents,
+    method=st.sampled_from(["token", "block", "ersd", "gsd-tree", "rd"]),
+    mparams=method_params,
+    params=sampling,
+    rows=tensor_or_none(prob_rows()),
+)
+def test_verify_request_round_trip(
+    session, base_len, append, tree, pars, method, mparams, params, rows
+) -> None:
+    req = VerifyRequest(session, base_len, append, tree, pars, method, mparams, params, rows)
+    assert_same(convert.verify_request_from_proto(via_bytes(convert.verify_request_to_proto(req))), req)
+
+
+@FAST
+@given(
+    toks=tokens,
+    nodes=tokens,
+    flags=st.lists(st.booleans(), max_size=6),
+    drafted=st.integers(0, 1000),
+    committed=st.integers(0, 10**6),
+    fwd=non_negative,
+    ver=non_negative,
+    reused=st.integers(0, 10**6),
+    extra=st.dictionaries(st.text(max_size=5), finite, max_size=3),
+)
+def test_verify_outcome_round_trip(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra) -> None:
+    outcome = VerifyOutcome(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra)
+    assert_same(
+        convert.verify_outcome_from_proto(via_bytes(convert.verify_outcome_to_proto(outcome))), outcome
+    )
+
+
+def test_model_info_round_trip() -> None:
+    info = ModelInfo("tiny", 6, "abc123", 128, (5,), "cuda:1", "bfloat16")
+    assert convert.model_info_from_proto(via_bytes(convert.model_info_to_proto(info))) == info
+
+
+optional_ids = st.one_of(st.none(), tokens)
+generation_requests = st.builds(
+    GenerationRequest,
+    prompt=st.one_of(st.none(), st.text(max_size=10)),
+    prompt_ids=optional_ids,
+    max_new_tokens=st.integers(0, 4096),
+    sampling=sampling,
+    stop=st.lists(st.text(max_size=4), max_size=3),
+    stop_token_ids=optional_ids,
+    seed=st.one_of(st.none(), seeds),
+    method=st.sampled_from(["token", "block", "ersd", "gsd-tree", "rd", "autoregressive"]),
+    k=st.one_of(st.none(), st.integers(0, 64)),
+    a=st.one_of(st.none(), st.floats(0, 1)),
+    request_id=st.one_of(st.none(), st.text(max_size=8)),
+    tree_budget=st.one_of(st.none(), st.integers(0, 256)),
+)
+
+
+@FAST
+@given(generation_requests)
+def test_generation_request_round_trip(req: GenerationRequest) -> None:
+    back = convert.generation_request_from_proto(via_bytes(convert.generation_request_to_proto(req)))
+    assert back == req
+
+
+def test_generation_request_none_differs_from_empty() -> None:
+    """stop_token_ids=None means 'the target's EOS ids'; [] means 'no stop tokens'."""
+    for value in (None, []):
+        req = GenerationRequest(prompt_ids=[1, 2], stop_token_ids=value, seed=0)
+        back = convert.generation_request_from_proto(via_bytes(convert.generation_request_to_proto(req)))
+        assert back.stop_token_ids == value and back.prompt is None and back.seed == 0
+
+
+def test_generation_request_defaults_when_unset() -> None:
+    assert convert.generation_request_from_proto(generation_pb2.GenerationRequest()) == GenerationRequest()
+
+
+intervals = st.lists(st.tuples(non_negative, non_negative), max_size=3)
+records = st.builds(
+    IterationRecord,
+    request_id=st.text(max_size=6),
+    index=st.integers(0, 1000),
+    position=st.integers(0, 10**6),
+    method=st.sampled_from(["token", "rd", "autoregressive"]),
+    a=st.one_of(st.none(), st.floats(0, 1)),
+    k=st.integers(0, 64),
+    heads=st.one_of(st.none(), st.integers(0, 64)),
+    drafted=st.booleans(),
+    num_drafted=st.integers(0, 64),
+    accepted=st.integers(0, 64),
+    emitted=tokens,
+    fallback=st.booleans(),
+    start=non_negative,
+    end=non_negative,
+    draft_intervals=intervals,
+    verify_intervals=intervals,
+    overlap_seconds=non_negative,
+)
+stats = st.builds(
+    GenerationStats,
+    iterations=st.integers(0, 10**6),
+    drafted_iterations=st.integers(0, 10**6),
+    drafted_tokens=st.integers(0, 10**9),
+    accepted_tokens=st.integers(0, 10**9),
+    new_tokens=st.integers(0, 10**9),
+    seconds=non_negative,
+    draft_seconds=non_negative,
+    verify_seconds=non_negative,
+    overlap_seconds=non_negative,
+    accepted_per_position=st.lists(st.integers(0, 10**6), max_size=8),
+    drafted_per_position=st.lists(st.integers(0, 10**6), max_size=8),
+    fallback_iterations=st.integers(0, 10**6),
+)
+results = st.builds(
+    GenerationResult,
+    request_id=st.text(max_size=8),
+    token_ids=tokens,
+    text=st.text(max_size=20),
+    finish_reason=st.sampled_from(["length", "eos", "stop"]),
+    seed=seeds,
+    method=st.sampled_from(["token", "ersd"]),
+    stats=stats,
+    iterations=st.lists(records, max_size=3),
+    started_at=non_negative,
+)
+
+
+@FAST
+@given(results)
+def test_generation_result_round_trip(result: GenerationResult) -> None:
+    msg = via_bytes(convert.generation_result_to_proto(result))
+    assert convert.generation_result_from_proto(msg) == result
+    assert msg.stats.tokens_per_second == pytest.approx(result.stats.tokens_per_second)
+    assert msg.stats.acceptance_rate == pytest.approx(result.stats.acceptance_rate)
+
+
+@FAST
+@given(toks=tokens, text=st.text(max_size=10), result=st.one_of(st.none(), results))
+def test_generation_chunk_round_trip(toks, text, result) -> None:
+    chunk = GenerationChunk(toks, text, result)
+    assert convert.generation_chunk_from_proto(via_bytes(convert.generation_chunk_to_proto(chunk))) == chunk
+
+
+PAIRS = [
+    (SamplingParams, common_pb2.SamplingParams),
+    (MethodParams, common_pb2.MethodParams),
+    (ModelInfo, common_pb2.ModelInfo),
+    (DraftRequest, drafter_pb2.DraftRequest),
+    (DraftResult, drafter_pb2.DraftResult),
+    (ScoreRequest, verifier_pb2.ScoreRequest),
+    (VerifyRequest, verifier_pb2.VerifyRequest),
+    (VerifyOutcome, verifier_pb2.VerifyOutcome),
+    (GenerationRequest, generation_pb2.GenerationRequest),
+    (GenerationStats, generation_pb2.GenerationStats),
+    (GenerationResult, generation_pb2.GenerationResult),
+    (GenerationChunk, generation_pb2.GenerationChunk),
+    (IterationRecord, generation_pb2.IterationRecord),
+]
+
+
+@pytest.mark.parametrize(("cls", "message"), PAIRS, ids=[c.__name__ for c, _ in PAIRS])
+def test_every_dataclass_field_is_on_the_wire(cls, message) -> None:
+    """A field added to a dataclass must be added to its message (and to proto/convert.py)."""
+    missing = {f.name for f in dataclasses.fields(cls)} - set(message.DESCRIPTOR.fields_by_name)
+    assert not missing, (
+        f"{cls.__name__} fields missing from {message.DESCRIPTOR.full_name}: {sorted(missing)}"
+    )

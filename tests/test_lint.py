@@ -1,0 +1,30 @@
+"""The tree stays ruff-clean (the style rule of the project, enforced where CI sees it)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ruff_clean() -> None:
+    if shutil.which("ruff") is None and subprocess.run([sys.executable, "-m", "ruff", "--version"],
+                                                       capture_output=True).returncode != 0:
+        pytest.fail("ruff is not installed (it is in the dev extra)")
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_core_imports_no_io_frameworks() -> None:
+    """Importing the core must not pull in grpc, redis or OpenTelemetry."""
+    code = (
+        "import sys, specdec, specdec.verification, specdec.theory, specdec.trees, specdec.races, "
+        "specdec.drafting, specdec.engine.api\n"
+        "bad = [m for m in ('grpc', 'redis', 'opentelemetry') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,101 @@
+"""gRPC adapter around a verifier engine: parse, call the engine off the loop, encode, map errors.
+
+The engine (specdec.engine.verifier.VerifierEngine or anything with the same methods) is
+synchronous; calls run in a worker pool so the event loop keeps serving health checks and
+other sessions. Errors map to status codes as documented in proto/grpc_support.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from concurrent.futures import Executor
+from typing import Any
+
+import grpc
+
+from proto import convert
+from proto.grpc_support import (
+    DEFAULT_MAX_MESSAGE_MB,
+    guarded,
+    run_blocking,
+    serve_until_signal,
+    start_engine_server,
+)
+from proto.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
+    def __init__(self, engine: Any, executor: Executor | None = None) -> None:
+        self.engine = engine
+        self.executor = executor
+
+    @guarded
+    async def Info(self, request: common_pb2.InfoRequest, context) -> common_pb2.ModelInfo:
+        return convert.model_info_to_proto(await run_blocking(self.executor, self.engine.info))
+
+    @guarded
+    async def Score(self, request: verifier_pb2.ScoreRequest, context) -> verifier_pb2.ScoreResponse:
+        req = convert.score_request_from_proto(request)
+        await run_blocking(self.executor, self.engine.score, req)
+        return verifier_pb2.ScoreResponse()
+
+    @guarded
+    async def Verify(self, request: verifier_pb2.VerifyRequest, context) -> verifier_pb2.VerifyOutcome:
+        req = convert.verify_request_from_proto(request)
+        outcome = await run_blocking(self.executor, self.engine.verify, req)
+        return convert.verify_outcome_to_proto(outcome)
+
+    @guarded
+    async def Tokenize(self, request: verifier_pb2.TokenizeRequest, context) -> verifier_pb2.TokenizeResponse:
+        ids = await run_blocking(self.executor, self.engine.tokenize, request.text)
+        return verifier_pb2.TokenizeResponse(token_ids=[int(i) for i in ids])
+
+    @guarded
+    async def Decode(self, request: verifier_pb2.DecodeRequest, context) -> verifier_pb2.DecodeResponse:
+        text = await run_blocking(self.executor, self.engine.decode, list(request.token_ids))
+        return verifier_pb2.DecodeResponse(text=text)
+
+    @guarded
+    async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
+        await run_blocking(self.executor, self.engine.release, request.session_id)
+        return common_pb2.ReleaseResponse()
+
+
+async def start_verifier_server(
+    engine: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    max_workers: int = 1,
+) -> tuple[grpc.aio.Server, int]:
+    """Start a VerifierService (+ health, reflection) for `engine`; returns (server, bound port).
+
+    max_workers: threads running engine calls. 1 serialises them (safe for any engine); raise it
+    only for an engine that is thread-safe across sessions. Stop with
+    proto.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
+    """
+    return await start_engine_server(
+        lambda executor: VerifierServicer(engine, executor),
+        verifier_pb2_grpc.add_VerifierServiceServicer_to_server,
+        SERVICE_NAME,
+        host,
+        port,
+        max_message_mb=max_message_mb,
+        interceptors=interceptors,
+        max_workers=max_workers,
+        thread_name_prefix="verifier-engine",
+    )
+
+
+async def serve_verifier(engine: Any, host: str = "127.0.0.1", port: int = 50052, *, grace_s: float = 5.0,
+                         **kwargs: Any) -> None:
+    """Serve until SIGINT/SIGTERM, then stop gracefully (health → NOT_SERVING, drain calls)."""
+    server, _ = await start_verifier_server(engine, host, port, **kwargs)
+    await serve_until_signal(server, grace_s)
