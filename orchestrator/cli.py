@@ -185,7 +185,7 @@ def models_list(
         return
     table = Table(title="specdec models")
     for column in ("name", "role", "state", "path / install command"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for row in rows:
         where = row["path"] or f"specdec models install {row['name']}"
         table.add_row(row["name"], row["role"], row["state"], where)
@@ -488,6 +488,8 @@ def up(
         target_path = resolve_model(target, "target")
     except CliError as exc:
         raise fail(str(exc)) from None
+    except KeyboardInterrupt:
+        raise fail("interrupted", 130) from None
     d_cores = v_cores = None
     if not no_pin:
         d_default, v_default = processes.default_core_split()
@@ -558,12 +560,14 @@ def up(
 
 def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str]) -> None:
     table = Table(title="specdec pipeline")
-    for column in ("service", "address", "pid", "cores", "model", "log"):
-        table.add_column(column)
+    for column in ("service", "address", "pid", "cores"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("model", overflow="fold")  # never cut a path short
     for child in supervisor.children:
         table.add_row(child.name, child.address or "?", str(child.pid), processes.format_cores(child.cores),
-                      models.get(child.name, ""), str(child.log_path))
+                      models.get(child.name, ""))
     err.print(table)
+    err.print(f"logs: {supervisor.log_dir}")
     orch = supervisor.children[-1].address
     flag = "" if orch == DEFAULT_ORCHESTRATOR_ADDRESS else f" --address {orch}"
     err.print(f"try:  specdec generate{flag} \"def quicksort\"")
@@ -655,6 +659,9 @@ def generate(
     k: Annotated[int | None, typer.Option(
         "--k", "-k", help="Draft length (token, block, ersd; rd's k_max) or tree budget (gsd-tree). "
         "Default: the orchestrator's (4; 8 nodes for gsd-tree).", show_default=False)] = None,
+    tree_budget: Annotated[int | None, typer.Option(
+        "--tree-budget", help="Draft-tree node budget (gsd-tree; ersd drafts a tree when given). "
+        "Default: the orchestrator's.", show_default=False)] = None,
     a: Annotated[float | None, typer.Option(
         "--a", help="RD drafting probability in [0, 1] (method rd). Default: the orchestrator's (0.5).",
         show_default=False)] = None,
@@ -700,8 +707,9 @@ def generate(
     try:
         code = asyncio.run(_generate(
             prompt=texts[0] if texts else None, prompt_ids=ids, address=address, draft=draft, target=target,
-            device=device, dtype=dtype, threads=threads, method=method, k=k, a=a, temperature=temperature,
-            top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens, stop=stop or [],
+            device=device, dtype=dtype, threads=threads, method=method, k=k, tree_budget=tree_budget, a=a,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
+            stop=stop or [],
             ignore_eos=ignore_eos, num_samples=num_samples, as_json=as_json, stream=stream, timeout=timeout))
     except KeyboardInterrupt:
         raise fail("interrupted", 130) from None
@@ -709,7 +717,8 @@ def generate(
     raise typer.Exit(code)
 
 
-async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype, threads, method, k, a,
+async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype, threads, method, k,
+                    tree_budget, a,
                     temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos, num_samples, as_json,
                     stream, timeout) -> int:
     """Run the samples; returns the exit code (errors are printed here as one line)."""
@@ -730,7 +739,8 @@ async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype
                 request = GenerationRequest(
                     prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                     stop=list(stop), stop_token_ids=[] if ignore_eos else None,
-                    seed=None if seed is None else seed + sample, method=method, k=k, a=a)
+                    seed=None if seed is None else seed + sample, method=method, k=k, tree_budget=tree_budget,
+                    a=a)
                 if num_samples > 1 and not as_json:
                     err.print(f"[bold]── sample {sample + 1}/{num_samples}[/]")
                 result = await (_stream_one(client, request, sample, as_json) if stream

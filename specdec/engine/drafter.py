@@ -47,7 +47,9 @@ class DrafterSession:
 
 
 class DrafterEngine:
-    def __init__(self, loaded: LoadedModel, sessions: SessionConfig | None = None, clock=time.monotonic) -> None:
+    def __init__(
+        self, loaded: LoadedModel, sessions: SessionConfig | None = None, clock=time.monotonic
+    ) -> None:
         self.loaded = loaded
         self._forward_lock = threading.Lock()  # one forward pass at a time on this model
         self.sessions: SessionStore[DrafterSession] = SessionStore(self._new_session, sessions, clock)
@@ -60,6 +62,11 @@ class DrafterEngine:
 
     def release(self, session_id: str) -> bool:
         return self.sessions.release(session_id)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: active_sessions, evictions (LRU + TTL), expirations, created, released."""
+        stats = self.sessions.stats()
+        return stats
 
     # ------------------------------------------------------------------------------------------
     def draft(self, request: DraftRequest) -> DraftResult:
@@ -101,7 +108,11 @@ class DrafterEngine:
         depth_of: dict[int, int] = {-1: 0}
         old_to_new: dict[int, int] = {-1: -1}
         expanded: dict[int, list[int]] = {}
-        source = TorchRandomSource.from_seed(request.seed, "draft", position) if request.strategy == "sample" else None
+        source = (
+            TorchRandomSource.from_seed(request.seed, "draft", position)
+            if request.strategy == "sample"
+            else None
+        )
 
         def forward(nodes: list[int]) -> None:
             nonlocal forward_seconds
@@ -127,7 +138,11 @@ class DrafterEngine:
                 continue
             if shape_parent not in expanded:
                 row = row_of(new_parent)
-                e = race(request.seed, position + depth_of[new_parent], vocab) if request.strategy == "race" else None
+                e = (
+                    race(request.seed, position + depth_of[new_parent], vocab)
+                    if request.strategy == "race"
+                    else None
+                )
                 expanded[shape_parent] = select_children(row, want[shape_parent], request.strategy, source, e)
             choices = expanded[shape_parent]
             if not choices:
@@ -192,5 +207,7 @@ def _check_request(request: DraftRequest) -> list[int]:
         raise InvalidRequest(f"shape_parents holds {len(shape)} nodes; at most {MAX_TREE_NODES} are allowed")
     for i, parent in enumerate(shape):
         if not -1 <= parent < i:
-            raise InvalidRequest(f"shape_parents[{i}] = {parent}; parents must precede their children (-1 = root)")
+            raise InvalidRequest(
+                f"shape_parents[{i}] = {parent}; parents must precede their children (-1 = root)"
+            )
     return shape

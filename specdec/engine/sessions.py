@@ -87,7 +87,9 @@ class SessionStore(Generic[S]):
         try:
             with entry.lock:
                 if not entry.alive:  # released while we waited for the lock
-                    raise SessionGone(f"session {session_id!r} was released; resend the context with base_len=0")
+                    raise SessionGone(
+                        f"session {session_id!r} was released; resend the context with base_len=0"
+                    )
                 yield entry.state
         finally:
             with self._lock:
@@ -102,7 +104,8 @@ class SessionStore(Generic[S]):
             if entry is None:
                 if base_len > 0:
                     raise SessionGone(
-                        f"session {session_id!r} is unknown or was evicted; resend the context with base_len=0"
+                        f"session {session_id!r} is unknown or was evicted; "
+                        "resend the context with base_len=0"
                     )
                 self._make_room()
                 entry = _Entry(self.factory(), now)
@@ -160,8 +163,8 @@ def advance(committed: list[int], session_id: str, base_len: int, append: list[i
     """committed[:base_len] + append, or SessionGone when the session holds fewer than base_len."""
     if base_len > len(committed):
         raise SessionGone(
-            f"session {session_id!r} holds {len(committed)} committed tokens but the call assumes {base_len}; "
-            "resend the context with base_len=0"
+            f"session {session_id!r} holds {len(committed)} committed tokens but the call assumes "
+            f"{base_len}; resend the context with base_len=0"
         )
     result = committed[:base_len] + [int(t) for t in append]
     if not result:

@@ -81,6 +81,7 @@ class VerifierEngine:
         self._verify = verify_fn
         self._needs_draft_probs = needs_draft_probs_fn
         self._forward_lock = threading.Lock()  # one forward pass at a time on this model
+        self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         self.sessions: SessionStore[VerifierSession] = SessionStore(self._new_session, sessions, clock)
         self.score_hits = 0  # verifies that used an earlier score's rows
         self.late_scores = 0  # scores ignored because their verify had already run
@@ -95,6 +96,12 @@ class VerifierEngine:
     def release(self, session_id: str) -> bool:
         return self.sessions.release(session_id)
 
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: active_sessions, evictions (LRU + TTL), expirations, created, released."""
+        stats = self.sessions.stats()
+        stats.update(score_hits=self.score_hits, late_scores=self.late_scores)
+        return stats
+
     def tokenize(self, text: str) -> list[int]:
         """Ids of `text` with the tokenizer's own conventions (add_special_tokens=True).
 
@@ -103,14 +110,17 @@ class VerifierEngine:
         """
         if not isinstance(text, str):
             raise InvalidRequest("text must be a string")
-        return [int(t) for t in self.loaded.tokenizer.encode(text, add_special_tokens=True)]
+        with self._tokenizer_lock:
+            ids = self.loaded.tokenizer.encode(text, add_special_tokens=True)
+        return [int(t) for t in ids]
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of the ids, special tokens included (skip_special_tokens=False): exact, never lossy."""
         check_tokens("token_ids", token_ids, self.loaded.info.vocab_size)
-        return self.loaded.tokenizer.decode(
-            [int(t) for t in token_ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
+        with self._tokenizer_lock:
+            return self.loaded.tokenizer.decode(
+                [int(t) for t in token_ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
 
     # scoring --------------------------------------------------------------------------------
     def score(self, request: ScoreRequest) -> None:
@@ -185,7 +195,9 @@ class VerifierEngine:
             )
 
     # helpers --------------------------------------------------------------------------------
-    def _forward(self, session: VerifierSession, committed: list[int], tree: DraftTree) -> tuple[TreeScore, float]:
+    def _forward(
+        self, session: VerifierSession, committed: list[int], tree: DraftTree
+    ) -> tuple[TreeScore, float]:
         began = time.perf_counter()
         try:
             score = score_tree(session.kv, committed, tree)
@@ -204,7 +216,9 @@ class VerifierEngine:
 
     def _tree(self, tokens: list[int], parents: list[int]) -> DraftTree:
         if len(tokens) > MAX_TREE_NODES:
-            raise InvalidRequest(f"tree_tokens holds {len(tokens)} nodes; at most {MAX_TREE_NODES} are allowed")
+            raise InvalidRequest(
+                f"tree_tokens holds {len(tokens)} nodes; at most {MAX_TREE_NODES} are allowed"
+            )
         if len(tokens) != len(parents):
             raise InvalidRequest(f"tree_parents has {len(parents)} entries for {len(tokens)} tree_tokens")
         check_tokens("tree_tokens", tokens, self.loaded.info.vocab_size)
@@ -226,9 +240,15 @@ class VerifierEngine:
                 return None
             raise InvalidRequest(f"draft_probs are required by method {request.method!r}")
         vocab = self.loaded.info.vocab_size
-        if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or tuple(rows.shape) != (len(tree) + 1, vocab):
+        if (
+            not isinstance(rows, torch.Tensor)
+            or rows.dim() != 2
+            or tuple(rows.shape) != (len(tree) + 1, vocab)
+        ):
             shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
-            raise InvalidRequest(f"draft_probs must have shape [n + 1, V] = [{len(tree) + 1}, {vocab}], got {shape}")
+            raise InvalidRequest(
+                f"draft_probs must have shape [n + 1, V] = [{len(tree) + 1}, {vocab}], got {shape}"
+            )
         if not rows.is_floating_point():
             raise InvalidRequest(f"draft_probs must be floating point, got {rows.dtype}")
         return rows

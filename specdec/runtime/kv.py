@@ -142,7 +142,9 @@ class TreeKVCache:
         """
         n_new = len(tokens)
         if n_new == 0 or len(parents) != n_new:
-            raise CacheError(f"extend needs >= 1 entry and one parent each ({n_new} tokens, {len(parents)} parents)")
+            raise CacheError(
+                f"extend needs >= 1 entry and one parent each ({n_new} tokens, {len(parents)} parents)"
+            )
         if not 0 <= rows_from < n_new:
             raise CacheError(f"rows_from must lie in [0, {n_new}), got {rows_from}")
         if self.physical_len() != self.prefix_len + self.block_len:
@@ -190,8 +192,33 @@ class TreeKVCache:
             raise CacheError("the model did not append one cache entry per input token")
         return out.logits[0].float()
 
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Append committed tokens straight to the prefix (empty block only), with no explicit mask.
+
+        For long runs of tokens (a prompt): the model's own causal masking is used, so no
+        [q, kv] mask is materialised, and only one row is projected to the vocabulary.
+        """
+        if self.block_len:
+            raise CacheError("prefill needs an empty block")
+        if not tokens:
+            return
+        start = self.prefix_len
+        device = next(self.model.parameters()).device
+        positions = torch.arange(start, start + len(tokens), device=device)
+        with self.lock or nullcontext(), torch.no_grad():
+            self.model(
+                input_ids=torch.tensor([list(tokens)], dtype=torch.long, device=device),
+                position_ids=positions[None],
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        self.prefix = self.prefix + [int(t) for t in tokens]
+        if self.physical_len() != self.prefix_len:
+            raise CacheError("the model did not append one cache entry per input token")
+
     def extend_chain(self, tokens: Sequence[int], rows_from: int | None = None) -> torch.Tensor:
-        """Append a causal chain at the prefix's end (block must be empty); logits of the last row by default."""
+        """Append a causal chain at the prefix's end (empty block only); by default only the last row."""
         if self.block_len:
             raise CacheError("extend_chain needs an empty block")
         n = len(tokens)

@@ -8,12 +8,14 @@ load in about a second. Nothing here ever reaches a model hub (HF_HUB_OFFLINE is
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +137,47 @@ def _atomic_write_text(path: Path, text: str) -> None:
 # GGUF → safetensors, once
 
 
+def _is_converted(directory: Path) -> bool:
+    return (directory / SOURCE_FILE).is_file()
+
+
+@contextmanager
+def _file_lock(path: Path):
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert_into(gguf_path: Path, directory: Path, home: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+        )
+    except Exception as exc:  # transformers raises many kinds for unreadable files
+        raise ModelPathError(f"cannot load GGUF file {gguf_path}: {exc}") from exc
+    # The weights are plain tensors now; saving must not record a quantisation scheme.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    source = {
+        "source": str(gguf_path.resolve()),
+        "model_id": gguf_path.stem,
+        "sha256": cached_sha256(gguf_path, home),
+    }
+    (directory / SOURCE_FILE).write_text(json.dumps(source, indent=2))
+    _share_permissions(directory)
+
+
 def converted_dir_for(gguf_path: str | Path, home: Path | None = None) -> Path:
     home = Path(home) if home is not None else specdec_home()
     return home / "converted" / cached_sha256(gguf_path, home)[:32]
@@ -147,48 +190,29 @@ def convert_gguf(gguf_path: str | Path, home: Path | None = None, force: bool = 
     leaves a half-written model behind. Weights are stored in float32: dequantised GGUF values
     (scale × small integer) are not all representable in 16-bit formats.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_path = Path(gguf_path).expanduser()
     if not gguf_path.is_file():
         raise ModelPathError(f"GGUF file not found: {gguf_path}")
     home = Path(home) if home is not None else specdec_home()
     target = converted_dir_for(gguf_path, home)
-    if target.exists() and (target / SOURCE_FILE).exists() and not force:
+    if _is_converted(target) and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
-    try:
+    # One converter per file across processes: the others wait here, then find the result.
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if _is_converted(target) and not force:
+            return target
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed converter
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
-            )
-            tokenizer = AutoTokenizer.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-            )
-        except Exception as exc:  # transformers raises many kinds for unreadable files
-            raise ModelPathError(f"cannot load GGUF file {gguf_path}: {exc}") from exc
-        # The weights are plain tensors now; saving must not record a quantisation scheme.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            delattr(model.config, "quantization_config")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        source = {"source": str(gguf_path.resolve()), "model_id": gguf_path.stem,
-                  "sha256": cached_sha256(gguf_path, home)}
-        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2))
-        del model
-        _share_permissions(tmp)
-        if target.exists():  # force=True, or a stale directory without its source marker
-            shutil.rmtree(target)
-        try:
+            _convert_into(gguf_path, tmp, home)
+            if target.exists():  # force=True, or a directory without its source marker
+                shutil.rmtree(target)
             os.replace(tmp, target)
-        except OSError:
-            if not (target / SOURCE_FILE).exists():  # someone else won the race only if complete
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -245,7 +269,10 @@ def load_model(
     directory = resolve_model_dir(path, home)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(directory), dtype=DTYPES[dtype], attn_implementation=attn_implementation, local_files_only=True
+            str(directory),
+            dtype=DTYPES[dtype],
+            attn_implementation=attn_implementation,
+            local_files_only=True,
         )
     except OSError as exc:
         raise ModelPathError(f"cannot load model from {directory}: {exc}") from exc

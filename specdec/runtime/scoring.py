@@ -21,21 +21,33 @@ from specdec.trees import DraftTree
 @dataclass
 class TreeScore:
     logits: torch.Tensor  # float32 [n + 1, V], verification row layout
-    pending_len: int  # committed tokens forwarded in this pass (>= 1)
+    pending_len: int  # committed tokens forwarded with the tree in this pass (>= 1)
     reused: int  # committed tokens whose cache entries were reused
 
 
-def prepare(kv: TreeKVCache, committed: Sequence[int]) -> tuple[int, list[int]]:
+MAX_PENDING = 32  # longer runs of uncached committed tokens are prefilled in a separate pass
+
+
+def prepare(
+    kv: TreeKVCache, committed: Sequence[int], max_pending: int = MAX_PENDING
+) -> tuple[int, list[int]]:
     """Roll the cache back to the longest reusable prefix of `committed`.
 
     Returns (reused, pending): the last committed token is always pending so that its logits
-    (the distribution of the next token) come out of the next forward pass.
+    (the distribution of the next token) come out of the next forward pass. When more than
+    `max_pending` tokens are uncached (a new prompt), all but the last are prefilled first with
+    the model's plain causal mask, so no [q, kv] tree mask the size of the prompt is built;
+    in steady state one or a few tokens are pending and everything is one pass.
     """
     if not committed:
         raise ValueError("the committed sequence must hold at least one token")
     reused = min(kv.common_prefix(committed), len(committed) - 1)
     kv.truncate(reused)
-    return reused, list(committed[reused:])
+    pending = list(committed[reused:])
+    if len(pending) > max(1, max_pending):
+        kv.prefill(pending[:-1])
+        pending = pending[-1:]
+    return reused, pending
 
 
 def tree_block(pending_len: int, tree: DraftTree) -> list[int]:
@@ -45,9 +57,11 @@ def tree_block(pending_len: int, tree: DraftTree) -> list[int]:
     return parents
 
 
-def score_tree(kv: TreeKVCache, committed: Sequence[int], tree: DraftTree) -> TreeScore:
+def score_tree(
+    kv: TreeKVCache, committed: Sequence[int], tree: DraftTree, max_pending: int = MAX_PENDING
+) -> TreeScore:
     """One forward pass over the pending committed tokens and every tree node."""
-    reused, pending = prepare(kv, committed)
+    reused, pending = prepare(kv, committed, max_pending)
     tokens = pending + list(tree.tokens)
     logits = kv.extend(tokens, tree_block(len(pending), tree), rows_from=len(pending) - 1)
     return TreeScore(logits=logits, pending_len=len(pending), reused=reused)

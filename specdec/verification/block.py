@@ -58,7 +58,7 @@ def verify_block(
         live += 1
     r = target.positive_mass(draft, 1, live + 1, w[:live])
     for i in range(live):
-        denominator = r[i] + 1.0 - w[i]
+        denominator = r[i] + (1.0 - w[i])  # exactly r when w_i = 1, so h_i = 1
         h[i] = r[i] / denominator if denominator > 0.0 else 0.0
     h[k - 1] = w[k - 1]
 

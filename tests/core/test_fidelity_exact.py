@@ -27,7 +27,7 @@ from specdec.verification import MethodParams, needs_draft_probs, verify
 from specdec.verification import token as token_module
 from specdec.verification.rd import leading_heads
 
-from .enumeration import enumerate_outcomes, expectation, max_abs_difference
+from .enumeration import EnumerationError, enumerate_outcomes, expectation, max_abs_difference
 from .toy_models import SAMPLING_VARIANTS, Warped, constant_model, random_markov
 
 TOLERANCE = 1e-12
@@ -103,9 +103,9 @@ def toy_pair(order: int, vocab: int, variant: str, seed: int = 0) -> tuple[Warpe
 
 
 def fidelity_error(
-    method: str, shape: Sequence[int], order: int, variant: str, length: int = 3, **kw
+    method: str, shape: Sequence[int], order: int, variant: str, length: int = 3, vocab: int = 4, **kw
 ) -> float:
-    target, draft = toy_pair(order, 4, variant)
+    target, draft = toy_pair(order, vocab, variant)
     got = exact_output_distribution(method, shape, target, draft, length, **kw)
     assert abs(sum(got.values()) - 1.0) < TOLERANCE
     return max_abs_difference(got, target.sequence_distribution(length))
@@ -114,10 +114,15 @@ def fidelity_error(
 VARIANTS = list(SAMPLING_VARIANTS)
 
 # (method, shape, order): sequence methods at k = 3 on order 1 and k = 2 on order 2.
+# Block verification gets k = 3 on order 1 (its joint decision over a longer block is the point);
+# token and gsd-tree k = 2 (gsd-tree on sequences is also checked equal to token verification).
 SEQUENCE_CASES = [
-    (method, sequence_shape(k), order)
-    for method in ("token", "block", "gsd-tree")
-    for order, k in ((1, 3), (2, 2))
+    ("block", sequence_shape(3), 1),
+    ("block", sequence_shape(2), 2),
+    ("token", sequence_shape(2), 1),
+    ("token", sequence_shape(2), 2),
+    ("gsd-tree", sequence_shape(2), 1),
+    ("gsd-tree", sequence_shape(2), 2),
 ]
 TREE_SHAPES = {
     "star3": (-1, -1, -1),
@@ -146,11 +151,20 @@ def test_gsd_wide_tree_exact(variant: str) -> None:
     assert fidelity_error("gsd-tree", TREE_SHAPES["two-level-wide"], 1, variant) < TOLERANCE
 
 
+# Every setting on order 1; the order-2 toy with a = 0, a = 1 and a = 0.5 at k_max = 2.
+RD_CASES = [(a, k_max, 1) for a, k_max in RD_SETTINGS] + [(0.0, 2, 2), (1.0, 2, 2), (0.5, 2, 2)]
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("order", [1, 2])
-@pytest.mark.parametrize(("a", "k_max"), RD_SETTINGS)
+@pytest.mark.parametrize(("a", "k_max", "order"), RD_CASES)
 def test_rd_exact(a: float, k_max: int, order: int, variant: str) -> None:
     assert fidelity_error("rd", (), order, variant, a=a, k_max=k_max) < TOLERANCE
+
+
+@pytest.mark.parametrize("method", ["token", "block", "gsd-tree"])
+@pytest.mark.parametrize(("vocab", "k", "variant"), [(6, 2, "T=0.7,top-k=3"), (8, 1, "T=1")])
+def test_larger_vocabularies_exact(method: str, vocab: int, k: int, variant: str) -> None:
+    assert fidelity_error(method, sequence_shape(k), 1, variant, vocab=vocab) < TOLERANCE
 
 
 def test_terrible_drafter_and_longer_output() -> None:
@@ -187,10 +201,88 @@ def test_broken_residual_is_caught(monkeypatch: pytest.MonkeyPatch, module_name:
     assert fidelity_error(method, sequence_shape(2), 1, "T=1", **kwargs) > 1e-3
 
 
+def test_block_residual_without_its_weight_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block verification's residual must use w_τ·P − Q; the token residual there is wrong."""
+    from specdec.verification import base
+    from specdec.verification import block as block_module
+
+    monkeypatch.setattr(block_module, "residual", lambda p, q, scale=1.0: base.residual(p, q))
+    assert fidelity_error("block", sequence_shape(2), 1, "T=1") > 1e-3
+
+
 def test_broken_acceptance_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Accepting with p/q uncapped-then-capped differently (here: always accept) must fail too."""
     monkeypatch.setattr(token_module, "acceptance", lambda p, q: 1.0 if p > 0 else 0.0)
     assert fidelity_error("token", sequence_shape(2), 1, "T=1") > 1e-3
+
+
+# --- the enumerator itself ----------------------------------------------------------------------
+
+
+def test_enumerator_coins_and_skipped_zero_branches() -> None:
+    runs = []
+
+    def two_coins(source: RandomSource) -> int:
+        runs.append(1)
+        return int(source.bernoulli(0.3)) + int(source.bernoulli(0.3)) + int(source.bernoulli(1.0))
+
+    assert enumerate_outcomes(two_coins) == pytest.approx({1: 0.49, 2: 0.42, 3: 0.09}, abs=1e-15)
+    assert len(runs) == 4  # p = 1 (and p = 0) consume no draw, like TorchRandomSource
+    runs.clear()
+    dist = enumerate_outcomes(lambda s: runs.append(1) or s.categorical(torch.tensor([0.5, 0.0, 0.25, 0.25])))
+    assert dist == pytest.approx({0: 0.5, 2: 0.25, 3: 0.25}, abs=1e-15) and len(runs) == 3
+
+
+def test_enumerator_follows_branch_dependent_draws() -> None:
+    """The number and kind of later draws depend on earlier answers."""
+
+    def walk(source: RandomSource) -> tuple[int, ...]:
+        first = source.categorical(torch.tensor([0.2, 0.8], dtype=torch.float64))
+        if first == 0:
+            return (0, source.categorical(torch.tensor([0.5, 0.5])))
+        return (1, int(source.bernoulli(0.25)), int(source.bernoulli(0.5)))
+
+    expected = {(0, 0): 0.1, (0, 1): 0.1, (1, 1, 1): 0.1, (1, 1, 0): 0.1, (1, 0, 1): 0.3, (1, 0, 0): 0.3}
+    assert enumerate_outcomes(walk) == pytest.approx(expected, abs=1e-15)
+
+
+def test_enumerator_agrees_with_the_torch_source() -> None:
+    """Same semantics as the production source: chi-square of 8000 seeded draws."""
+    from scipy.stats import chisquare
+
+    from specdec.randomness import TorchRandomSource
+
+    def outcome(source: RandomSource) -> int:
+        return leading_heads(0.6, 3, source) * 10 + source.categorical(
+            torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
+        )
+
+    exact = enumerate_outcomes(outcome)
+    source = TorchRandomSource.from_seed(0, "enumerator-check")
+    counts = dict.fromkeys(exact, 0)
+    for _ in range(8000):
+        counts[outcome(source)] += 1
+    keys = sorted(exact)
+    observed = [counts[key] for key in keys]
+    assert chisquare(observed, [exact[key] * 8000 for key in keys]).pvalue > 1e-3
+
+
+def test_enumerator_rejects_what_it_cannot_follow() -> None:
+    with pytest.raises(EnumerationError, match="sum to 1"):
+        enumerate_outcomes(lambda s: s.categorical(torch.tensor([0.5, 0.2])))
+    with pytest.raises(EnumerationError, match=">= 0"):
+        enumerate_outcomes(lambda s: s.categorical(torch.tensor([1.5, -0.5])))
+    with pytest.raises(EnumerationError, match="NaN"):
+        enumerate_outcomes(lambda s: s.bernoulli(float("nan")))
+    with pytest.raises(EnumerationError, match="more than"):
+        enumerate_outcomes(lambda s: sum(s.bernoulli(0.5) for _ in range(10)), max_runs=100)
+    calls = iter(range(100))
+
+    def nondeterministic(source: RandomSource) -> int:
+        return source.categorical(torch.tensor([0.5, 0.5] if next(calls) == 0 else [1.0]))
+
+    with pytest.raises(EnumerationError, match="not deterministic"):
+        enumerate_outcomes(nondeterministic)
 
 
 # --- the paper's toy: expected accepted draft tokens -------------------------------------------

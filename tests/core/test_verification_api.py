@@ -226,6 +226,19 @@ def test_unnormalised_and_float32_rows_are_read_normalised() -> None:
     assert view.positive_mass(other, 1, 1, []) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_rows_are_read_exactly_as_sent(dtype: torch.dtype) -> None:
+    """Rows in any float dtype are read as float64 copies of the values sent."""
+    tree = DraftTree.sequence([1, 2, 3])
+    target, draft = random_rows(4, 0).to(dtype), random_rows(4, 1).to(dtype)
+    for method in ("token", "block", "gsd-tree", "ersd"):
+        for seed in range(5):
+            low = verify(method, tree, target, draft, MethodParams(seed=seed), source(seed))
+            params = MethodParams(seed=seed)
+            wide = verify(method, tree, target.double(), draft.double(), params, source(seed))
+            assert low.tokens == wide.tokens
+
+
 # --- input validation ----------------------------------------------------------------------------
 
 

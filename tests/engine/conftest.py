@@ -10,15 +10,28 @@ from specdec.runtime.tiny import save_tiny_model
 
 @pytest.fixture(scope="session")
 def draft_model(tmp_path_factory):
-    path = save_tiny_model(tmp_path_factory.mktemp("draft") / "d8", vocab_size=8, seed=3, hidden_size=16,
-                           num_layers=2, logit_scale=4.0)
+    path = save_tiny_model(
+        tmp_path_factory.mktemp("draft") / "d8",
+        vocab_size=8,
+        seed=3,
+        hidden_size=16,
+        num_layers=2,
+        logit_scale=4.0,
+    )
     return load_model(path)
 
 
 @pytest.fixture(scope="session")
 def target_model(tmp_path_factory):
-    path = save_tiny_model(tmp_path_factory.mktemp("target") / "t8", vocab_size=8, seed=3, hidden_size=32,
-                           num_layers=3, logit_scale=6.0, max_position_embeddings=64)
+    path = save_tiny_model(
+        tmp_path_factory.mktemp("target") / "t8",
+        vocab_size=8,
+        seed=3,
+        hidden_size=32,
+        num_layers=3,
+        logit_scale=6.0,
+        max_position_embeddings=64,
+    )
     return load_model(path)
 
 

@@ -54,16 +54,33 @@ def speculate(
             while heads < k_max and coins.random() < a:
                 heads += 1
             this_shape, leaf_rows = list(range(-1, heads - 1)), heads < k_max
-        draft = drafter.draft(DraftRequest(
-            session_id, told_drafter, committed[told_drafter:], this_shape, draft_sampling or sampling, seed,
-            strategy="race" if method == "ersd" else "sample", want_distributions=method != "ersd",
-            include_leaf_rows=leaf_rows,
-        ))
+        draft = drafter.draft(
+            DraftRequest(
+                session_id,
+                told_drafter,
+                committed[told_drafter:],
+                this_shape,
+                draft_sampling or sampling,
+                seed,
+                strategy="race" if method == "ersd" else "sample",
+                want_distributions=method != "ersd",
+                include_leaf_rows=leaf_rows,
+            )
+        )
         told_drafter = len(committed)
-        outcome = verifier.verify(VerifyRequest(
-            session_id, told_verifier, committed[told_verifier:], draft.tokens, draft.parents, method,
-            MethodParams(a=a, k_max=k_max, seed=seed, position=len(committed)), sampling, draft.draft_probs,
-        ))
+        outcome = verifier.verify(
+            VerifyRequest(
+                session_id,
+                told_verifier,
+                committed[told_verifier:],
+                draft.tokens,
+                draft.parents,
+                method,
+                MethodParams(a=a, k_max=k_max, seed=seed, position=len(committed)),
+                sampling,
+                draft.draft_probs,
+            )
+        )
         told_verifier = len(committed)
         assert outcome.tokens[:-1] == [draft.tokens[i] for i in outcome.accepted_nodes]
         committed += outcome.tokens
@@ -73,4 +90,4 @@ def speculate(
         stats.accepted += len(outcome.accepted_nodes)
         stats.draft_reused.append(draft.reused_tokens)
         stats.verify_reused.append(outcome.reused_tokens)
-    return committed[len(prompt):len(prompt) + max_new], stats
+    return committed[len(prompt) : len(prompt) + max_new], stats

@@ -48,11 +48,22 @@ SAMPLINGS = [T1, SamplingParams(temperature=0.7, top_k=3), SamplingParams(top_p=
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_drafts_equal_the_reference(draft_model, drafter, strategy, shape_name):
     shape = SHAPES[shape_name]
-    for case, (sampling, seed) in enumerate([(SAMPLINGS[0], 0), (SAMPLINGS[0], 5), (SAMPLINGS[1], 1),
-                                             (SAMPLINGS[2], 2)]):
+    for case, (sampling, seed) in enumerate(
+        [(SAMPLINGS[0], 0), (SAMPLINGS[0], 5), (SAMPLINGS[1], 1), (SAMPLINGS[2], 2)]
+    ):
         session = f"{strategy}-{shape_name}-{case}"
-        result = drafter.draft(request(session, 0, PROMPT, shape, sampling=sampling, seed=seed, strategy=strategy,
-                                       want_distributions=True))
+        result = drafter.draft(
+            request(
+                session,
+                0,
+                PROMPT,
+                shape,
+                sampling=sampling,
+                seed=seed,
+                strategy=strategy,
+                want_distributions=True,
+            )
+        )
         tree = DraftTree(tuple(result.tokens), tuple(result.parents))  # valid tree (distinct siblings)
         assert result.draft_probs.shape == (len(tree) + 1, 8)
         rows = {(): result.draft_probs[0]}
@@ -83,7 +94,9 @@ def test_empty_shape_returns_row_zero_only(draft_model, drafter):
     result = drafter.draft(request("s", 0, PROMPT, [], want_distributions=True))
     assert result.tokens == [] and result.parents == []
     assert result.draft_probs.shape == (1, 8)
-    torch.testing.assert_close(result.draft_probs[0], plain_row(draft_model.model, PROMPT, T1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        result.draft_probs[0], plain_row(draft_model.model, PROMPT, T1), atol=1e-5, rtol=0
+    )
     assert drafter.draft(request("s2", 0, PROMPT, [])).draft_probs is None
 
 
@@ -110,14 +123,26 @@ def test_accepted_drafts_are_reused_not_recomputed(draft_model, drafter):
     second = drafter.draft(request("s", L, first.tokens + [0], seq, want_distributions=True))
     assert second.reused_tokens == L + k - 1
     # Its rows are still the model's rows for the new sequence.
-    torch.testing.assert_close(second.draft_probs[0], plain_row(draft_model.model, committed, T1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        second.draft_probs[0], plain_row(draft_model.model, committed, T1), atol=1e-5, rtol=0
+    )
     # Partial acceptance: two drafts, then a token different from the third draft.
     other = (second.tokens[2] + 1) % 8
-    third = drafter.draft(request("s", len(committed), second.tokens[:2] + [other], seq, want_distributions=True,
-                                  include_leaf_rows=True))
+    third = drafter.draft(
+        request(
+            "s",
+            len(committed),
+            second.tokens[:2] + [other],
+            seq,
+            want_distributions=True,
+            include_leaf_rows=True,
+        )
+    )
     assert third.reused_tokens == len(committed) + 2
     committed = committed + second.tokens[:2] + [other]
-    torch.testing.assert_close(third.draft_probs[0], plain_row(draft_model.model, committed, T1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        third.draft_probs[0], plain_row(draft_model.model, committed, T1), atol=1e-5, rtol=0
+    )
     # With leaf rows every draft is cached, so full acceptance reuses all k.
     fourth = drafter.draft(request("s", len(committed), third.tokens + [3], [-1]))
     assert fourth.reused_tokens == len(committed) + k
@@ -145,7 +170,9 @@ def test_session_gone(drafter):
     drafter.draft(request("s", 0, PROMPT, [-1]))
     with pytest.raises(SessionGone, match="resend"):
         drafter.draft(request("s", len(PROMPT) + 1, [1], [-1]))
+    assert drafter.stats()["active_sessions"] == 1
     drafter.release("s")
+    assert drafter.stats()["released"] == 1
     with pytest.raises(SessionGone):
         drafter.draft(request("s", len(PROMPT), [1], [-1]))
 

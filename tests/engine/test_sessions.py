@@ -84,7 +84,13 @@ def test_release_and_stats():
         pass
     assert store.release("a") is True
     assert store.release("a") is False
-    assert store.stats() == {"active_sessions": 0, "evictions": 0, "expirations": 0, "created": 1, "released": 1}
+    assert store.stats() == {
+        "active_sessions": 0,
+        "evictions": 0,
+        "expirations": 0,
+        "created": 1,
+        "released": 1,
+    }
 
 
 def test_release_while_waiting_for_the_lock_raises_session_gone():

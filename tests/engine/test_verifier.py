@@ -40,9 +40,15 @@ def committed_of(engine, session_id: str) -> list[int]:
 
 def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0].tolist()[len(prompt):]
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0].tolist()[len(prompt) :]
 
 
 LOOPS = {  # method, shape, a, k_max
@@ -62,10 +68,23 @@ def test_greedy_speculation_equals_plain_greedy_decoding(drafter, verifier, targ
     for i, prompt in enumerate(PROMPTS):
         expected = greedy_reference(target_model.model, prompt, n)
         # Drafting at T=1 gives real branching and rejections; the greedy target must not care.
-        out, stats = speculate(drafter, verifier, f"{name}{i}", prompt, n, method, shape, GREEDY,
-                               draft_sampling=T1, seed=i, a=a, k_max=k_max, coin_seed=i)
+        out, stats = speculate(
+            drafter,
+            verifier,
+            f"{name}{i}",
+            prompt,
+            n,
+            method,
+            shape,
+            GREEDY,
+            draft_sampling=T1,
+            seed=i,
+            a=a,
+            k_max=k_max,
+            coin_seed=i,
+        )
         assert out == expected, (name, prompt)
-        assert committed_of(verifier, f"{name}{i}")[len(prompt):len(prompt) + n] == out
+        assert committed_of(verifier, f"{name}{i}")[len(prompt) : len(prompt) + n] == out
         if method != "rd":
             assert stats.accepted < stats.drafted  # some rejections happened
 
@@ -88,7 +107,7 @@ def test_ersd_equals_target_only_race_decoding(drafter, verifier, target_model):
         sequence.append(race_winner(race(seed, len(sequence), 8), warp_logits(logits, T1)))
     for shape in ([-1, 0, 1, 2], TREE):
         out, stats = speculate(drafter, verifier, f"e{len(shape)}", prompt, n, "ersd", shape, T1, seed=seed)
-        assert out == sequence[len(prompt):]
+        assert out == sequence[len(prompt) :]
         assert stats.accepted > 0
 
 
@@ -129,8 +148,9 @@ def test_empty_tree_steps(verifier, target_model):
     with pytest.raises(InvalidRequest, match="draft_probs"):
         verifier.verify(verify_request("rd", 0, prompt, [], [], "rd", params=MethodParams(a=0.5, k_max=2)))
     q = torch.full((1, 8), 1 / 8)
-    out = verifier.verify(verify_request("rd", 0, prompt, [], [], "rd", params=MethodParams(a=0.5, k_max=2),
-                                         draft_probs=q))
+    out = verifier.verify(
+        verify_request("rd", 0, prompt, [], [], "rd", params=MethodParams(a=0.5, k_max=2), draft_probs=q)
+    )
     assert len(out.tokens) == 1
 
 
@@ -148,11 +168,14 @@ def test_score_then_verify_reuses_the_forward_pass(verifier):
     # A score that arrives after its verify is ignored (and does not rewind the session).
     verifier.score(ScoreRequest("a", 0, prompt, tokens, parents, T1))
     assert verifier.late_scores == 1
+    assert verifier.stats()["late_scores"] == 1 and verifier.stats()["active_sessions"] == 2
     assert committed_of(verifier, "a") == prompt + scored.tokens
     # A score for a different tree is simply recomputed over by the verify.
     n = len(committed_of(verifier, "a"))
     verifier.score(ScoreRequest("a", n, [], [1], [-1], T1))
-    out = verifier.verify(verify_request("a", n, [], [2], [-1], "token", draft_probs=torch.full((2, 8), 1 / 8)))
+    out = verifier.verify(
+        verify_request("a", n, [], [2], [-1], "token", draft_probs=torch.full((2, 8), 1 / 8))
+    )
     assert out.extra["score_reused"] == 0.0 and out.committed_len == n + len(out.tokens)
 
 
@@ -161,8 +184,11 @@ def test_verify_waits_for_a_running_score(verifier):
     q = torch.full((3, 8), 1 / 8)
     results = {}
     score = threading.Thread(target=verifier.score, args=(ScoreRequest("c", 0, prompt, tokens, parents, T1),))
-    verify = threading.Thread(target=lambda: results.setdefault(
-        "v", verifier.verify(verify_request("c", 0, prompt, tokens, parents, "token", draft_probs=q))))
+    verify = threading.Thread(
+        target=lambda: results.setdefault(
+            "v", verifier.verify(verify_request("c", 0, prompt, tokens, parents, "token", draft_probs=q))
+        )
+    )
     score.start()
     verify.start()
     score.join(30)
@@ -181,9 +207,13 @@ def test_errors(verifier):
     with pytest.raises(InvalidRequest, match="draft_probs"):
         verifier.verify(verify_request("x", 0, prompt, [1, 2], [-1, 0], "token"))
     with pytest.raises(InvalidRequest, match="draft_probs"):
-        verifier.verify(verify_request("x", 0, prompt, [1, 2], [-1, 0], "token", draft_probs=torch.ones(2, 8)))
+        verifier.verify(
+            verify_request("x", 0, prompt, [1, 2], [-1, 0], "token", draft_probs=torch.ones(2, 8))
+        )
     with pytest.raises(InvalidRequest, match="draft_probs"):
-        verifier.verify(verify_request("x", 0, prompt, [1, 2], [-1, 0], "token", draft_probs=torch.ones(3, 9)))
+        verifier.verify(
+            verify_request("x", 0, prompt, [1, 2], [-1, 0], "token", draft_probs=torch.ones(3, 9))
+        )
     with pytest.raises(InvalidRequest, match="tree_parents"):
         verifier.verify(verify_request("x", 0, prompt, [1, 2], [-1, 1], "token", draft_probs=q))
     with pytest.raises(InvalidRequest, match="tree_parents"):

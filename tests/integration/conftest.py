@@ -1,76 +1,13 @@
-"""Shared pieces of the end-to-end tests: tiny models on disk, the CLI as a subprocess, `up`.
-
-Every wait is bounded, and every process a test starts is stopped in teardown, also when the
-test fails (children of `up` are tracked through its ready file and killed by pid if needed).
-"""
+"""Fixtures of the end-to-end tests: tiny random models on disk (vocab 6-8, built once per session)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-# Startup of one service imports torch + transformers; on a busy 2-core machine that alone can
-# take tens of seconds, so the bound is generous (it is only reached when something is broken).
-STARTUP_TIMEOUT_S = 240.0
-CLI_TIMEOUT_S = 180.0
-TINY_CONTEXT = 1024
-
-
-def cli_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", COLUMNS="200", NO_COLOR="1", TERM="dumb")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
-def cli_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", *args]
-
-
-def run_cli(*args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run `specdec ARGS` to completion (bounded) and return its output."""
-    return subprocess.run(cli_argv(*args), capture_output=True, text=True, timeout=timeout, env=cli_env(),
-                          cwd=ROOT, stdin=subprocess.DEVNULL)
-
-
-def json_lines(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
-
-
-def pid_alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def wait_gone(pids, timeout: float) -> list[int]:
-    """Wait (bounded) until none of `pids` is alive; returns those still alive."""
-    deadline = time.monotonic() + timeout
-    alive = [p for p in pids if pid_alive(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = [p for p in alive if pid_alive(p)]
-    return alive
-
-
-def kill_pids(pids) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+from .support import TINY_CONTEXT
 
 
 @dataclass
@@ -85,68 +22,8 @@ def tiny_models(tmp_path_factory) -> TinyModels:
     from specdec.runtime.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
-    return TinyModels(
-        draft=save_tiny_model(root / "draft", vocab_size=8, seed=1, max_position_embeddings=TINY_CONTEXT),
-        target=save_tiny_model(root / "target", vocab_size=8, seed=2, max_position_embeddings=TINY_CONTEXT),
-        other_vocab=save_tiny_model(root / "other", vocab_size=6, seed=3, max_position_embeddings=TINY_CONTEXT),
-    )
 
+    def save(name: str, vocab: int, seed: int) -> Path:
+        return save_tiny_model(root / name, vocab_size=vocab, seed=seed, max_position_embeddings=TINY_CONTEXT)
 
-class UpProcess:
-    """`specdec up` as a subprocess, with every port chosen by the OS and a ready file."""
-
-    def __init__(self, workdir: Path, *args: str) -> None:
-        self.ready_file = workdir / "up.ready.json"
-        self.log_dir = workdir / "logs"
-        self.stderr_path = workdir / "up.stderr"
-        argv = cli_argv("up", "--port", "0", "--drafter-port", "0", "--verifier-port", "0",
-                        "--ready-file", str(self.ready_file), "--log-dir", str(self.log_dir),
-                        "--startup-timeout", str(STARTUP_TIMEOUT_S), *args)
-        self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self._stderr, env=cli_env(),
-                                        cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.info: dict = {}
-
-    @property
-    def child_pids(self) -> list[int]:
-        pids = dict(self.info.get("pids", {}))
-        # Children that had started before `up` wrote its ready file leave their own ready files.
-        for ready in self.log_dir.glob("*.ready.json") if self.log_dir.exists() else []:
-            with contextlib.suppress(ValueError, OSError, KeyError):
-                pids.setdefault(ready.name.split(".")[0], json.loads(ready.read_text())["pid"])
-        return [int(pid) for pid in pids.values()]
-
-    def stderr(self) -> str:
-        self._stderr.flush()
-        return self.stderr_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 3 * STARTUP_TIMEOUT_S) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready_file.exists():
-                with contextlib.suppress(json.JSONDecodeError):
-                    self.info = json.loads(self.ready_file.read_text())
-                    return self.info
-            if self.process.poll() is not None:
-                raise AssertionError(f"`specdec up` exited with {self.process.returncode}:\n{self.stderr()}")
-            time.sleep(0.2)
-        raise AssertionError(f"`specdec up` not ready within {timeout:.0f}s:\n{self.stderr()}")
-
-    def wait_exit(self, timeout: float) -> int:
-        try:
-            return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"`specdec up` still running after {timeout:.0f}s:\n{self.stderr()}") from None
-
-    def stop(self) -> None:
-        """Teardown: SIGTERM `up`, then make sure nothing it started survives."""
-        children = self.child_pids
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        kill_pids(wait_gone(children, 15))
-        self._stderr.close()
+    return TinyModels(draft=save("draft", 8, 1), target=save("target", 8, 2), other_vocab=save("other", 6, 3))

@@ -49,7 +49,8 @@ def test_help_mentions_every_option(path: list[str]) -> None:
     for param in command.params:
         if isinstance(param, click.Option):
             for opt in param.opts:
-                assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", text), f"{opt} missing from {path} --help"
+                pattern = rf"(?<![\w-]){re.escape(opt)}(?![\w-])"
+                assert re.search(pattern, text), f"{opt} missing from {path} --help"
             assert param.help, f"{param.opts[0]} of {path} has no help"
     if isinstance(command, click.Group):
         for name in command.commands:
@@ -62,7 +63,7 @@ def test_help_shows_defaults(path: list[str]) -> None:
     for param in _command(path).params:
         if isinstance(param, click.Option) and param.show_default is not False and not param.is_flag \
                 and param.default is not None:
-            assert f"[default: {param.default}]" in text, f"{param.opts[0]} default missing from {path} --help"
+            assert f"[default: {param.default}]" in text, f"{param.opts[0]} default missing ({path})"
 
 
 def test_generate_help_names_methods_and_default_address() -> None:
@@ -79,7 +80,8 @@ def test_cli_constants_match_the_modules_they_mirror() -> None:
     from specdec import models
 
     assert cli.METHODS == tuple(GENERATION_METHODS)
-    assert (cli.DEFAULT_DRAFT, cli.DEFAULT_TARGET) == (models.DEFAULT_DRAFT_MODEL, models.DEFAULT_TARGET_MODEL)
+    assert cli.DEFAULT_DRAFT == models.DEFAULT_DRAFT_MODEL
+    assert cli.DEFAULT_TARGET == models.DEFAULT_TARGET_MODEL
     assert cli.DEFAULT_MAX_MESSAGE_MB == DEFAULT_MAX_MESSAGE_MB
 
 

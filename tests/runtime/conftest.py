@@ -10,8 +10,14 @@ from specdec.runtime.tiny import save_tiny_model
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "m8", vocab_size=8, seed=3, hidden_size=32,
-                           num_layers=3, logit_scale=6.0)
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m8",
+        vocab_size=8,
+        seed=3,
+        hidden_size=32,
+        num_layers=3,
+        logit_scale=6.0,
+    )
 
 
 @pytest.fixture(scope="session", params=["sdpa", "eager"])

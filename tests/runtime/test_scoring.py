@@ -50,19 +50,28 @@ def assert_rows_match(model, committed: list[int], tree: DraftTree, logits: torc
         torch.testing.assert_close(logits[node + 1], expected, atol=ATOL, rtol=0, msg=f"node {node}")
 
 
-def test_tree_rows_equal_plain_paths_across_iterations(tiny):
-    """Several speculation steps on one cache: partial acceptance, rollback, reuse."""
+@pytest.mark.parametrize("max_pending", [32, 2], ids=["one-pass", "prefill"])
+def test_tree_rows_equal_plain_paths_across_iterations(tiny, max_pending):
+    """Several speculation steps on one cache: partial acceptance, rollback, reuse.
+
+    With max_pending=2 the longer runs of uncached tokens (the prompt, the rewind) go through
+    the separate causal prefill pass first.
+    """
     model, vocab = tiny.model, tiny.info.vocab_size
     rng = random.Random(7)
     kv = TreeKVCache(model)
     committed = [rng.randrange(vocab) for _ in range(5)]
+    fork = -1
     for step in range(8):
         tree = DraftTree.empty() if step == 3 else random_tree(rng, rng.randint(1, 9), vocab)
-        score = score_tree(kv, committed, tree)
+        score = score_tree(kv, committed, tree, max_pending=max_pending)
         assert_rows_match(model, committed, tree, score.logits)
+        assert score.pending_len <= max_pending
         # The previous step left committed[:-1] cached, so exactly one token is pending.
         if step > 0 and step != 6:
             assert score.reused == len(committed) - 1 and score.pending_len == 1
+        if step == 6:  # after the rewind, reuse stops exactly at the fork
+            assert score.reused == fork and score.pending_len == (1 if max_pending == 2 else 4)
         # Accept the path to a random node (or nothing), then one extra token.
         node = rng.randrange(-1, len(tree))
         accepted = tree.path_to(node) if node >= 0 else []
@@ -71,8 +80,8 @@ def test_tree_rows_equal_plain_paths_across_iterations(tiny):
         assert kv.prefix == committed[:-1]
         assert kv.physical_len() == len(committed) - 1
         if step == 5:  # the caller rewinds (e.g. a resend after divergence): reuse stops at the fork
-            cut = len(committed) - 4
-            committed = committed[:cut] + [(committed[cut] + 1) % vocab, 2]
+            fork = len(committed) - 4
+            committed = committed[:fork] + [(committed[fork] + 1) % vocab, 2, 3, 1]
 
 
 def test_many_pending_tokens_and_deep_chain(tiny):
@@ -131,8 +140,14 @@ def test_greedy_decoding_through_the_cache_equals_generate(tiny):
             sequence.append(int(torch.argmax(score.logits[0])))
         ids = torch.tensor([prompt])
         # An explicit mask: token 0 is also the pad id, which generate would otherwise mask out.
-        reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0].tolist()
+        reference = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0].tolist()
         assert sequence == reference
 
 

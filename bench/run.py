@@ -1,0 +1,872 @@
+"""Benchmark harness: one draft/target pair, one prompt set, every decoding configuration.
+
+    python -m bench.run                                   # the default run (see RESULTS.md)
+    python -m bench.run --prompts builtin --num-prompts 2 --max-new-tokens 8 --repeats 1 \\
+        --draft /path/tiny-draft --target /path/tiny-target       # a smoke run
+
+What one run does, in order:
+1. loads both models in this process (`--threads` torch threads, fp32 by default);
+2. runs the analyser (specdec.analysis) on the same prompts: α, c, λ, best k, tree, a;
+3. starts drafter and verifier as gRPC servers in their own processes, pinned to disjoint
+   cores (`python -m orchestrator.cli serve ...`, as `specdec up` does), unless --no-grpc;
+4. runs every configuration on every prompt with the same sampling parameters and seed,
+   round-robin over configurations per prompt (the order rotates from prompt to prompt), for
+   `--repeats` rounds: plain target decoding with HF `generate` (the baseline), HF assisted
+   generation (`assistant_model=`), and our pipeline per method, in-process and over gRPC;
+5. reports medians over repeats: tokens/s, speedup vs the baseline, block efficiency (tokens per
+   target forward pass), acceptance, per-iteration overhead, and the fraction of the analytic
+   speedup achieved; writes results.json, analysis.json and PNG plots to --out.
+
+Overhead per iteration = wall time − time during which some model was computing, where each
+engine call's compute time (forward_seconds/verify_seconds the engines report) is placed at the
+end of the call's client-side interval. It is orchestration + transport (+ thread hand-off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "bench" / "results"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+PIPELINE_METHODS = ("token", "block", "ersd", "gsd-tree", "rd", "ersd-tree")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class BenchSettings:
+    draft: str = DEFAULT_DRAFT
+    target: str = DEFAULT_TARGET
+    prompts: str = "humaneval"
+    num_prompts: int = 5
+    max_new_tokens: int = 48
+    repeats: int = 3
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 1234
+    methods: tuple[str, ...] = ("token", "block", "ersd", "gsd-tree", "rd")
+    k: int | None = None  # sequence draft length; None → the analyser's best k
+    rd_sweep: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    block_check_k: int | None = 8  # also run token and block at this k (block-efficiency check)
+    sweep_repeats: int = 1  # repeats of the sweep / check configurations
+    grpc: bool = True
+    grpc_methods: tuple[str, ...] = ("token", "rd")
+    hf_assisted: bool = True
+    analysis_prompts: int | None = None  # None → num_prompts
+    analysis_tokens: int = 32
+    threads: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_prompt_tokens: int = 384
+    out_dir: str = str(DEFAULT_OUT)
+    save_calibration: bool = True
+    home: str | None = None
+    server_timeout_s: float = 600.0
+
+
+@dataclass
+class RunConfig:
+    name: str
+    kind: str  # "baseline" | "hf-assisted" | "pipeline"
+    transport: str = "inprocess"  # "inprocess" | "grpc"
+    method: str | None = None
+    k: int | None = None
+    a: float | None = None
+    tree_budget: int | None = None
+    repeats: int = 1
+
+
+@dataclass
+class RunRecord:
+    config: str
+    repeat: int
+    prompt: str
+    tokens: int
+    seconds: float
+    target_calls: int
+    drafted: int = 0
+    accepted: int = 0
+    iterations: int = 0
+    iteration_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    overhead_seconds: float = 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# timing wrappers around the clients: per-call engine compute, for the overhead figure
+# ----------------------------------------------------------------------------------------------
+class CallLog:
+    """Engine calls of the current iteration: (kind, start, end, compute seconds, extra)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float, float, float, dict]] = []
+        self.iterations = 0
+        self.iteration_seconds = 0.0
+        self.busy_seconds = 0.0
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.iterations = 0
+        self.iteration_seconds = 0.0
+        self.busy_seconds = 0.0
+
+    def on_iteration(self, record) -> None:
+        intervals: list[tuple[float, float]] = []
+        pending_score: tuple[float, float] | None = None
+        for kind, start, end, compute, extra in self.calls:
+            if kind == "score":
+                pending_score = (start, end)
+            elif kind == "draft":
+                intervals.append((max(start, end - compute), end))
+            elif kind == "verify":
+                forward, verify_s = compute, extra.get("verify_seconds", 0.0)
+                if extra.get("score_reused") and pending_score is not None:
+                    s_start, s_end = pending_score
+                    intervals.append((max(s_start, s_end - forward), s_end))
+                    intervals.append((max(start, end - verify_s), end))
+                else:
+                    intervals.append((max(start, end - forward - verify_s), end))
+                pending_score = None
+        self.calls.clear()
+        self.iterations += 1
+        self.iteration_seconds += max(0.0, record.end - record.start)
+        self.busy_seconds += _union_length(intervals)
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, current = 0.0, None
+    for start, end in sorted(intervals):
+        if current is None or start > current[1]:
+            if current is not None:
+                total += current[1] - current[0]
+            current = [start, end]
+        else:
+            current[1] = max(current[1], end)
+    if current is not None:
+        total += current[1] - current[0]
+    return total
+
+
+class TimedDrafter:
+    def __init__(self, inner, log: CallLog) -> None:
+        self.inner, self.log = inner, log
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def draft(self, request):
+        start = time.perf_counter()
+        result = await self.inner.draft(request)
+        self.log.calls.append(("draft", start, time.perf_counter(), float(result.forward_seconds), {}))
+        return result
+
+
+class TimedVerifier:
+    def __init__(self, inner, log: CallLog) -> None:
+        self.inner, self.log = inner, log
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def score(self, request):
+        start = time.perf_counter()
+        await self.inner.score(request)
+        self.log.calls.append(("score", start, time.perf_counter(), 0.0, {}))
+
+    async def verify(self, request):
+        start = time.perf_counter()
+        outcome = await self.inner.verify(request)
+        extra = {
+            "verify_seconds": float(outcome.verify_seconds),
+            "score_reused": bool(outcome.extra.get("score_reused", 0.0)),
+        }
+        self.log.calls.append(("verify", start, time.perf_counter(), float(outcome.forward_seconds), extra))
+        return outcome
+
+
+# ----------------------------------------------------------------------------------------------
+# runners
+# ----------------------------------------------------------------------------------------------
+class ForwardCounter:
+    """Counts forward calls of a torch module (target passes of HF generate)."""
+
+    def __init__(self, module) -> None:
+        self.count = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args) -> None:  # noqa: ARG002
+        self.count += 1
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def _hf_generation_config(settings: BenchSettings, max_new_tokens: int, pad: int):
+    from transformers import GenerationConfig
+
+    greedy = settings.temperature == 0
+    kwargs: dict[str, Any] = {
+        "do_sample": not greedy,
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": 0,
+        "eos_token_id": [],
+        "pad_token_id": pad,
+        "repetition_penalty": 1.0,
+    }
+    if not greedy:
+        kwargs.update(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+    return GenerationConfig(**kwargs)
+
+
+def run_hf(
+    target, draft, prompt: list[int], settings: BenchSettings, seed: int, assisted: bool
+) -> tuple[int, float, int]:
+    """(new tokens, seconds, target forward passes) of HF generate, optionally assisted."""
+    import torch
+
+    config = _hf_generation_config(settings, settings.max_new_tokens, pad=0)
+    ids = torch.tensor([prompt], device=target.device)
+    kwargs: dict[str, Any] = {}
+    if assisted:
+        draft.model.generation_config = _hf_generation_config(settings, settings.max_new_tokens, pad=0)
+        kwargs["assistant_model"] = draft.model
+    counter = ForwardCounter(target.model)
+    torch.manual_seed(seed)
+    try:
+        began = time.perf_counter()
+        with torch.no_grad():
+            out = target.model.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=config, **kwargs
+            )
+        seconds = time.perf_counter() - began
+    finally:
+        counter.close()
+    return int(out.shape[1] - len(prompt)), seconds, counter.count
+
+
+async def run_pipeline(
+    orchestrator, log: CallLog, prompt: list[int], cfg: RunConfig, settings: BenchSettings, seed: int
+) -> RunRecord:
+    from orchestrator.api import GenerationRequest
+    from specdec.sampling import SamplingParams
+
+    request = GenerationRequest(
+        prompt_ids=list(prompt),
+        max_new_tokens=settings.max_new_tokens,
+        sampling=SamplingParams(settings.temperature, settings.top_k, settings.top_p),
+        stop_token_ids=[],
+        seed=seed,
+        method=cfg.method or "token",
+        k=cfg.k,
+        a=cfg.a,
+        tree_budget=cfg.tree_budget,
+    )
+    log.reset()
+    began = time.perf_counter()
+    result = await orchestrator.generate(request)
+    seconds = time.perf_counter() - began
+    stats = result.stats
+    return RunRecord(
+        config=cfg.name,
+        repeat=0,
+        prompt="",
+        tokens=len(result.token_ids),
+        seconds=seconds,
+        target_calls=stats.iterations,
+        drafted=stats.drafted_tokens,
+        accepted=stats.accepted_tokens,
+        iterations=log.iterations,
+        iteration_seconds=log.iteration_seconds,
+        busy_seconds=log.busy_seconds,
+        overhead_seconds=max(0.0, log.iteration_seconds - log.busy_seconds),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# configurations
+# ----------------------------------------------------------------------------------------------
+def build_configs(settings: BenchSettings, analysis) -> list[RunConfig]:
+    plan = analysis.plan
+    k = settings.k or int(plan["sequence"]["best_k_timed"])
+    schedule = plan["rd"]["schedule"]
+    a_star, rd_k = float(schedule["a"]), int(schedule["k_max"])
+    budget = int(plan["tree"]["gsd"]["budget"])
+    ersd_budget = int(plan["tree"]["ersd"]["budget"])
+    main, extra = settings.repeats, min(settings.sweep_repeats, settings.repeats)
+
+    def pipeline(method: str, transport: str, repeats: int, **kw) -> RunConfig:
+        suffix = ",".join(
+            f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
+            for key, value in kw.items()
+            if value is not None
+        )
+        prefix = "grpc" if transport == "grpc" else "inproc"
+        name = f"{prefix}:{method}" + (f"({suffix})" if suffix else "")
+        real = "ersd" if method == "ersd-tree" else method
+        return RunConfig(name, "pipeline", transport, real, repeats=repeats, **kw)
+
+    def for_method(method: str, transport: str, repeats: int) -> RunConfig:
+        if method == "rd":
+            return pipeline("rd", transport, repeats, k=rd_k, a=round(a_star, 4))
+        if method == "gsd-tree":
+            return pipeline("gsd-tree", transport, repeats, tree_budget=budget)
+        if method == "ersd-tree":
+            return pipeline("ersd-tree", transport, repeats, tree_budget=ersd_budget)
+        return pipeline(method, transport, repeats, k=k)
+
+    configs = [RunConfig("baseline (HF generate)", "baseline", "-", repeats=main)]
+    if settings.hf_assisted:
+        configs.append(RunConfig("HF assisted (assistant_model)", "hf-assisted", "-", repeats=main))
+    for method in settings.methods:
+        configs.append(for_method(method, "inprocess", main))
+    if settings.block_check_k and settings.block_check_k != k:
+        for method in ("token", "block"):
+            if method in settings.methods:
+                configs.append(pipeline(method, "inprocess", extra, k=settings.block_check_k))
+    if "rd" in settings.methods:
+        for a in settings.rd_sweep:
+            if abs(a - a_star) > 1e-3:
+                configs.append(pipeline("rd", "inprocess", extra, k=rd_k, a=float(a)))
+    if settings.grpc:
+        for method in settings.grpc_methods:
+            configs.append(for_method(method, "grpc", main))
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate configuration names: {names}")
+    return configs
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------------
+def machine_description(threads: int) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": cpu,
+        "cores": cores,
+        "threads_per_model": threads,
+        "gpu": torch.cuda.is_available(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _resolve(name_or_path: str, home: Path | None) -> Path:
+    from specdec import models
+
+    return Path(models.resolve_model(name_or_path, home))
+
+
+class _GrpcPair:
+    """Drafter and verifier servers in child processes pinned to disjoint cores."""
+
+    def __init__(self, settings: BenchSettings, draft_path: Path, target_path: Path, log_dir: Path) -> None:
+        from orchestrator import processes
+
+        self.processes = processes
+        self.supervisor = processes.Supervisor(log_dir)
+        draft_cores, target_cores = processes.default_core_split()
+        self.cores = {"drafter": draft_cores, "verifier": target_cores}
+        common = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--device",
+            settings.device,
+            "--dtype",
+            settings.dtype,
+            "--threads",
+            str(settings.threads),
+            "--log-level",
+            "warning",
+        ]
+        self.children = []
+        for role, path, cores in (
+            ("drafter", draft_path, draft_cores),
+            ("verifier", target_path, target_cores),
+        ):
+            args = [role, "--model", str(path), "--cores", processes.format_cores(cores), *common]
+            self.children.append(self.supervisor.child(role, args, cores))
+        self.addresses: dict[str, str] = {}
+        self.timeout = settings.server_timeout_s
+
+    def start(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        for child in self.children:
+            self.supervisor.start(child, env=env)
+        for child in self.children:
+            self.addresses[child.name] = self.processes.wait_ready(child, self.timeout)
+        return self.addresses
+
+    def stop(self) -> None:
+        self.supervisor.stop(grace=10.0)
+
+
+def run_bench(settings: BenchSettings, progress: Progress | None = None) -> dict[str, Any]:
+    """Run the whole benchmark; returns the results dictionary (also written to out_dir)."""
+    import torch
+
+    from bench.prompts import load_prompts, prompt_ids
+    from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.speculation import Orchestrator
+    from specdec import analysis as analysis_mod
+    from specdec.engine.drafter import DrafterEngine
+    from specdec.engine.verifier import VerifierEngine
+    from specdec.runtime.loading import load_model
+    from specdec.sampling import SamplingParams
+
+    say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
+    began = time.perf_counter()
+    out_dir = Path(settings.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    home = Path(settings.home) if settings.home else None
+    torch.set_num_threads(settings.threads)
+
+    say(f"loading models ({settings.dtype}, {settings.threads} thread(s) each)")
+    draft_path, target_path = _resolve(settings.draft, home), _resolve(settings.target, home)
+    target = load_model(
+        target_path, device=settings.device, dtype=settings.dtype, threads=settings.threads, home=home
+    )
+    draft = load_model(
+        draft_path, device=settings.device, dtype=settings.dtype, threads=settings.threads, home=home
+    )
+    if draft.info.vocab_size != target.info.vocab_size:
+        raise ValueError(
+            f"vocabularies differ: draft {draft.info.vocab_size}, target {target.info.vocab_size}"
+        )
+
+    prompts = load_prompts(settings.prompts, settings.num_prompts, home)
+    ids = [prompt_ids(p, target.tokenizer, settings.max_prompt_tokens) for p in prompts]
+    sampling = SamplingParams(settings.temperature, settings.top_k, settings.top_p)
+
+    n_analysis = settings.analysis_prompts or len(ids)
+    say(f"analysing the pair on {n_analysis} prompt(s) × {settings.analysis_tokens} tokens")
+    analysis, _ = analysis_mod.analyze(
+        target.model,
+        draft.model,
+        ids[:n_analysis],
+        sampling,
+        max_new_tokens=settings.analysis_tokens,
+        seed=settings.seed,
+        draft_id=draft.info.model_id,
+        target_id=target.info.model_id,
+        progress=say,
+        sim_ks=tuple(k for k in (1, 2, 4, settings.block_check_k, settings.k) if k),
+    )
+    configs = build_configs(settings, analysis)
+    analysis_seconds = time.perf_counter() - began
+    if settings.save_calibration:
+        from specdec.calibration import Calibration, save_calibration
+
+        say(f"calibration saved to {save_calibration(Calibration.from_analysis(analysis), home)}")
+
+    logs = {"inprocess": CallLog(), "grpc": CallLog()}
+    config = OrchestratorConfig()
+    orchestrators = {
+        "inprocess": Orchestrator(
+            TimedDrafter(InProcessDrafterClient(DrafterEngine(draft)), logs["inprocess"]),
+            TimedVerifier(InProcessVerifierClient(VerifierEngine(target)), logs["inprocess"]),
+            config,
+            on_iteration=logs["inprocess"].on_iteration,
+        )
+    }
+    grpc_pair = None
+    records: list[RunRecord] = []
+    loop = asyncio.new_event_loop()
+    try:
+        if any(c.transport == "grpc" for c in configs):
+            from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
+
+            say("starting gRPC drafter and verifier servers (pinned to separate cores)")
+            grpc_pair = _GrpcPair(settings, draft_path, target_path, out_dir / "server-logs")
+            addresses = grpc_pair.start()
+            orchestrators["grpc"] = Orchestrator(
+                TimedDrafter(GrpcDrafterClient(addresses["drafter"], timeout_s=600), logs["grpc"]),
+                TimedVerifier(GrpcVerifierClient(addresses["verifier"], timeout_s=600), logs["grpc"]),
+                config,
+                on_iteration=logs["grpc"].on_iteration,
+            )
+        for orch in orchestrators.values():
+            loop.run_until_complete(orch.start())
+
+        total = sum(c.repeats for c in configs) * len(ids)
+        done = 0
+        for repeat in range(settings.repeats):
+            for pi, prompt in enumerate(ids):
+                shift = (repeat * len(ids) + pi) % len(configs)
+                for cfg in configs[shift:] + configs[:shift]:
+                    if repeat >= cfg.repeats:
+                        continue
+                    seed = settings.seed + 1000 * repeat + pi
+                    if cfg.kind == "pipeline":
+                        record = loop.run_until_complete(
+                            run_pipeline(
+                                orchestrators[cfg.transport], logs[cfg.transport], prompt, cfg, settings, seed
+                            )
+                        )
+                    else:
+                        tokens, seconds, calls = run_hf(
+                            target, draft, prompt, settings, seed, assisted=cfg.kind == "hf-assisted"
+                        )
+                        record = RunRecord(cfg.name, 0, "", tokens, seconds, calls)
+                    record.repeat, record.prompt = repeat, prompts[pi].id
+                    records.append(record)
+                    done += 1
+                    say(
+                        f"[{done}/{total}] r{repeat} {prompts[pi].id:>14s} {cfg.name:40s} "
+                        f"{record.tokens / record.seconds:6.2f} tok/s"
+                    )
+        for orch in orchestrators.values():
+            loop.run_until_complete(orch.close())
+    finally:
+        loop.close()
+        if grpc_pair is not None:
+            grpc_pair.stop()
+
+    summary = summarise(configs, records, analysis)
+    results = {
+        "settings": asdict(settings),
+        "machine": machine_description(settings.threads),
+        "command": " ".join(["python -m bench.run", *to_argv(settings)]),
+        "prompts": [p.id for p in prompts],
+        "prompt_tokens": [len(i) for i in ids],
+        "analysis_key_numbers": key_numbers(analysis),
+        "configs": [asdict(c) for c in configs],
+        "summary": summary,
+        "runs": [asdict(r) for r in records],
+        "seconds": {"analysis": analysis_seconds, "total": time.perf_counter() - began},
+    }
+    write_outputs(results, analysis.to_dict(), out_dir)
+    return results
+
+
+def key_numbers(analysis) -> dict[str, Any]:
+    plan = analysis.plan
+    return {
+        "alpha": analysis.acceptance["alpha"],
+        "ersd_alpha": analysis.acceptance["ersd_alpha"],
+        "d_hm": analysis.acceptance["d_hm"],
+        "kl": analysis.acceptance["kl"],
+        "t_p": analysis.timing.t_p,
+        "t_q": analysis.timing.t_q,
+        "c": analysis.timing.c,
+        "lambda": analysis.timing.lam,
+        "best_k": plan["sequence"]["best_k"],
+        "best_k_timed": plan["sequence"]["best_k_timed"],
+        "tree_budget": plan["tree"]["gsd"]["budget"],
+        "tree_parents": plan["tree"]["gsd"]["parents"],
+        "best_a": plan["rd"]["schedule"]["a"],
+        "rd_k_max": plan["rd"]["schedule"]["k_max"],
+        "best_a_k1": plan["rd"]["best_a_k1"],
+        "lemma_4_3_holds": plan["rd"]["lemma_4_3_holds"],
+        "lemma_4_3_threshold": plan["rd"]["lemma_4_3_threshold"],
+    }
+
+
+def summarise(configs: Sequence[RunConfig], records: Sequence[RunRecord], analysis) -> list[dict[str, Any]]:
+    """One row per configuration: medians over repeats (a repeat's tokens/s = its tokens / its seconds)."""
+    by_config: dict[str, list[RunRecord]] = {}
+    for r in records:
+        by_config.setdefault(r.config, []).append(r)
+
+    def median_tps(rs: list[RunRecord]) -> float | None:
+        per_repeat: dict[int, list[RunRecord]] = {}
+        for r in rs:
+            per_repeat.setdefault(r.repeat, []).append(r)
+        values = [
+            sum(x.tokens for x in group) / sum(x.seconds for x in group)
+            for group in per_repeat.values()
+            if sum(x.seconds for x in group) > 0
+        ]
+        return statistics.median(values) if values else None
+
+    base_records = [r for r in records if r.config == configs[0].name]
+    base = median_tps(base_records)
+    rows = []
+    for cfg in configs:
+        rs = by_config.get(cfg.name, [])
+        tps = median_tps(rs)
+        # Compare with the baseline on the same repeats only (sweep configs run fewer).
+        same = [r for r in base_records if r.repeat < cfg.repeats]
+        base_same = median_tps(same) if same else base
+        speedup = tps / base_same if tps and base_same else None
+        tokens = sum(r.tokens for r in rs)
+        calls = sum(r.target_calls for r in rs)
+        drafted = sum(r.drafted for r in rs)
+        iteration_seconds = sum(r.iteration_seconds for r in rs)
+        row = {
+            "name": cfg.name,
+            "kind": cfg.kind,
+            "transport": cfg.transport,
+            "method": cfg.method,
+            "k": cfg.k,
+            "a": cfg.a,
+            "tree_budget": cfg.tree_budget,
+            "runs": len(rs),
+            "repeats": cfg.repeats,
+            "tokens_per_second": tps,
+            "speedup": speedup,
+            "block_efficiency": tokens / calls if calls else None,
+            "acceptance": sum(r.accepted for r in rs) / drafted if drafted else None,
+            "overhead_fraction": (
+                sum(r.overhead_seconds for r in rs) / iteration_seconds if iteration_seconds else None
+            ),
+            "overhead_ms_per_iteration": (
+                1000 * sum(r.overhead_seconds for r in rs) / sum(r.iterations for r in rs)
+                if sum(r.iterations for r in rs)
+                else None
+            ),
+            "predicted_speedup": None,
+            "predicted_speedup_timed": None,
+            "fraction_of_analytic": None,
+        }
+        if cfg.kind == "pipeline" and cfg.method:
+            pred = analysis.predict(cfg.method, k=cfg.k, a=cfg.a, tree_budget=cfg.tree_budget)
+            row["predicted_speedup"] = pred["speedup_formula"]
+            row["predicted_speedup_timed"] = pred["speedup_timed"]
+            if speedup:
+                row["fraction_of_analytic"] = speedup / pred["speedup_formula"]
+        elif cfg.kind == "baseline":
+            row["predicted_speedup"] = row["predicted_speedup_timed"] = 1.0
+        rows.append(row)
+    return rows
+
+
+def write_outputs(results: dict[str, Any], analysis_dict: dict[str, Any], out_dir: Path) -> None:
+    from bench import plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "analysis.json").write_text(json.dumps(analysis_dict, indent=1))
+    measured_rd = []
+    base = next((r for r in results["summary"] if r["kind"] == "baseline"), None)
+    for row in results["summary"]:
+        if row["method"] == "rd" and row["transport"] == "inprocess" and row["speedup"] and base:
+            measured_rd.append((float(row["a"]), float(row["speedup"])))
+    files = plots.plot_analysis(analysis_dict, out_dir, measured_rd)
+    files.append(plots.plot_bench(results, out_dir / "bench_tps.png"))
+    results["files"] = [str(Path(f).name) for f in files] + ["results.json", "analysis.json"]
+    (out_dir / "results.json").write_text(json.dumps(_json_safe(results), indent=1))
+
+
+def _json_safe(value: Any) -> Any:
+    import math
+
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:{spec}}{suffix}"
+    return str(value)
+
+
+def render_table(results: dict[str, Any], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    key = results["analysis_key_numbers"]
+    console.print(
+        f"[bold]{results['settings']['draft']} → {results['settings']['target']}[/]  "
+        f"α={key['alpha']:.3f}  c={key['c']:.2f}  λ={key['lambda']:.3f}  best k={key['best_k_timed']}  "
+        f"tree budget={key['tree_budget']}  a*={key['best_a']:.3f} (k_max={key['rd_k_max']})  "
+        f"Lemma 4.3 {'holds' if key['lemma_4_3_holds'] else 'fails'}"
+    )
+    table = Table(title="benchmark (medians over repeats)")
+    for column in (
+        "configuration",
+        "runs",
+        "tok/s",
+        "speedup",
+        "tokens/target call",
+        "acceptance",
+        "overhead",
+        "predicted",
+        "achieved",
+    ):
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    for row in results["summary"]:
+        table.add_row(
+            row["name"],
+            str(row["runs"]),
+            _fmt(row["tokens_per_second"]),
+            _fmt(row["speedup"], ".2f", "×"),
+            _fmt(row["block_efficiency"]),
+            _fmt(row["acceptance"], ".3f"),
+            _fmt(
+                row["overhead_fraction"] * 100 if row["overhead_fraction"] is not None else None, ".1f", "%"
+            ),
+            _fmt(row["predicted_speedup"], ".2f", "×"),
+            _fmt(
+                row["fraction_of_analytic"] * 100 if row["fraction_of_analytic"] is not None else None,
+                ".0f",
+                "%",
+            ),
+        )
+    console.print(table)
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    lines = [
+        "| configuration | runs | tok/s | speedup | tokens / target call | acceptance | overhead "
+        "| predicted speedup (formula / timed) | achieved vs formula |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in results["summary"]:
+        overhead = row["overhead_fraction"]
+        frac = row["fraction_of_analytic"]
+        lines.append(
+            f"| {row['name']} | {row['runs']} | {_fmt(row['tokens_per_second'])} "
+            f"| {_fmt(row['speedup'], '.2f', '×')} "
+            f"| {_fmt(row['block_efficiency'])} | {_fmt(row['acceptance'], '.3f')} "
+            f"| {_fmt(overhead * 100 if overhead is not None else None, '.1f', '%')} "
+            f"| {_fmt(row['predicted_speedup'], '.2f', '×')} "
+            f"/ {_fmt(row['predicted_speedup_timed'], '.2f', '×')} "
+            f"| {_fmt(frac * 100 if frac is not None else None, '.0f', '%')} |"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _strings(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def parser() -> argparse.ArgumentParser:
+    d = BenchSettings()
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--draft", default=d.draft)
+    p.add_argument("--target", default=d.target)
+    p.add_argument("--prompts", default=d.prompts, choices=("humaneval", "mtbench", "builtin"))
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--methods", type=_strings, default=d.methods, help="comma-separated: " + ", ".join(PIPELINE_METHODS)
+    )
+    p.add_argument(
+        "--k", type=int, default=None, help="sequence draft length (default: the analyser's best k)"
+    )
+    p.add_argument("--rd-sweep", type=_floats, default=d.rd_sweep, help="extra RD draft probabilities a")
+    p.add_argument(
+        "--block-check-k",
+        type=int,
+        default=d.block_check_k,
+        help="also run token and block at this k (0 = off)",
+    )
+    p.add_argument("--sweep-repeats", type=int, default=d.sweep_repeats)
+    p.add_argument("--no-grpc", dest="grpc", action="store_false")
+    p.add_argument("--grpc-methods", type=_strings, default=d.grpc_methods)
+    p.add_argument("--no-hf-assisted", dest="hf_assisted", action="store_false")
+    p.add_argument("--analysis-prompts", type=int, default=None)
+    p.add_argument("--analysis-tokens", type=int, default=d.analysis_tokens)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per model")
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    p.add_argument("--out", dest="out_dir", default=d.out_dir)
+    p.add_argument("--no-save-calibration", dest="save_calibration", action="store_false")
+    p.add_argument("--server-timeout-s", type=float, default=d.server_timeout_s,
+                   help="seconds a gRPC server may take to load its model")
+    p.add_argument("--home", default=None, help="specdec home (default $SPECDEC_HOME or ~/.cache/specdec)")
+    return p
+
+
+def to_argv(settings: BenchSettings) -> list[str]:
+    """The options that differ from the defaults (to print the exact command of a run)."""
+    d = BenchSettings()
+    argv: list[str] = []
+    flags = {
+        "grpc": "--no-grpc",
+        "hf_assisted": "--no-hf-assisted",
+        "save_calibration": "--no-save-calibration",
+    }
+    for name, value in asdict(settings).items():
+        if value == getattr(d, name):
+            continue
+        if name in flags:
+            argv.append(flags[name])
+        elif isinstance(value, (list, tuple)):
+            argv += [f"--{name.replace('_', '-')}", ",".join(str(v) for v in value)]
+        elif name == "block_check_k" and value is None:
+            argv += ["--block-check-k", "0"]
+        elif name == "out_dir":
+            argv += ["--out", str(value)]
+        elif value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    values = vars(args)
+    if values.get("block_check_k") == 0:
+        values["block_check_k"] = None
+    unknown = [m for m in values["methods"] if m not in PIPELINE_METHODS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; choose from {', '.join(PIPELINE_METHODS)}")
+    return BenchSettings(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = settings_from_args(parser().parse_args(argv))
+    results = run_bench(settings)
+    render_table(results)
+    print(f"results in {settings.out_dir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""`specdec generate --draft --target`: the whole orchestrator in one process, no servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from .support import invoke_cli, json_lines, run_cli
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--num-samples", "3", "--json", "--seed", "1", "--max-new-tokens", "16", "--ignore-eos", "t1 t2 t3")
+
+
+def _check(lines: list[dict]) -> None:
+    assert [line["sample"] for line in lines] == [0, 1, 2]
+    assert [line["seed"] for line in lines] == [1, 2, 3]  # sample i uses seed + i
+    for line in lines:
+        assert line["type"] == "result" and line["finish_reason"] == "length"
+        assert len(line["token_ids"]) == 16 == line["stats"]["new_tokens"]
+        assert line["text"].split() == [f"t{t}" for t in line["token_ids"]]  # word-level tiny tokenizer
+        assert line["stats"]["drafted_tokens"] > 0  # it speculated
+    assert len({tuple(line["token_ids"]) for line in lines}) > 1  # different seeds, different samples
+
+
+def test_inprocess_samples_are_reproducible(tiny_models) -> None:
+    models = ("--draft", str(tiny_models.draft), "--target", str(tiny_models.target))
+    result = run_cli("generate", *models, *ARGS)  # the real program, as a user runs it
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    first = json_lines(result.stdout)
+    _check(first)
+    again = invoke_cli("generate", *models, *ARGS)  # the same command again (in this process: cheaper)
+    assert again.exit_code == 0, again.output
+    assert [line["token_ids"] for line in json_lines(again.stdout)] == [line["token_ids"] for line in first]
+
+
+def test_inprocess_refuses_a_vocabulary_mismatch(tiny_models) -> None:
+    models = ("--draft", str(tiny_models.other_vocab), "--target", str(tiny_models.target))
+    result = invoke_cli("generate", *models, "t1")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: INVALID_ARGUMENT: vocabulary mismatch")
+    assert "Traceback" not in result.stderr

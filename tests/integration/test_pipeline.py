@@ -1,0 +1,148 @@
+"""`specdec up` end to end: three real processes on loopback with tiny random models.
+
+One pipeline serves the whole module (starting it dominates the cost); the last test stops it
+with SIGTERM and checks that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import grpc
+import pytest
+
+from orchestrator.processes import check_health
+from proto.specdec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+from .support import TINY_CONTEXT, UpProcess, invoke_cli, json_lines, pid_alive, run_cli, wait_gone
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 8
+RPC_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_models, tmp_path_factory):
+    up = UpProcess(tmp_path_factory.mktemp("up"), "--draft", str(tiny_models.draft),
+                   "--target", str(tiny_models.target))
+    try:
+        up.wait_ready()
+        yield up
+    finally:
+        up.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(pipeline):
+    with grpc.insecure_channel(pipeline.info["orchestrator"]) as channel:
+        yield generation_pb2_grpc.GenerationServiceStub(channel)
+
+
+def _cores(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as handle:
+        return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("Cpus_allowed_list"))
+
+
+def test_up_starts_three_healthy_processes(pipeline) -> None:
+    info = pipeline.info
+    pids = info["pids"]
+    assert set(pids) == {"drafter", "verifier", "orchestrator"}
+    assert len({pids["drafter"], pids["verifier"], pids["orchestrator"], info["pid"]}) == 4
+    for name in ("drafter", "verifier", "orchestrator"):
+        assert pid_alive(pids[name]), name
+        assert info[name].startswith("127.0.0.1:")
+        assert check_health(info[name], timeout=10.0) == "SERVING", name
+    if len(os.sched_getaffinity(0)) >= 2:  # pinned to different cores by default
+        assert _cores(pids["drafter"]) != _cores(pids["verifier"])
+    err = pipeline.stderr()
+    assert "specdec generate --address " + info["orchestrator"] in err  # the example command
+
+
+def test_generate_json_over_the_pipeline(pipeline) -> None:
+    result = run_cli("generate", "--address", pipeline.info["orchestrator"], "--json", "--seed", "7",
+                     "--max-new-tokens", "12", "--ignore-eos", "--method", "block", "t1 t2 t3")
+    assert result.returncode == 0, result.stderr
+    (line,) = json_lines(result.stdout)
+    assert line["seed"] == 7 and line["method"] == "block" and line["finish_reason"] == "length"
+    assert len(line["token_ids"]) == 12 and all(0 <= t < VOCAB for t in line["token_ids"])
+    assert line["text"].split() == [f"t{t}" for t in line["token_ids"]]  # word-level tiny tokenizer
+    stats = line["stats"]
+    assert stats["new_tokens"] == 12 and stats["iterations"] >= 1
+    assert stats["accepted_tokens"] <= stats["drafted_tokens"]
+
+
+def _request(**fields) -> generation_pb2.GenerationRequest:
+    fields.setdefault("prompt", "t1 t2")
+    fields.setdefault("max_new_tokens", 4)
+    return generation_pb2.GenerationRequest(**fields)
+
+
+def _call_code(stub, request) -> tuple[grpc.StatusCode, str]:
+    try:
+        stub.Generate(request, timeout=RPC_TIMEOUT_S)
+    except grpc.RpcError as error:
+        return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
+
+
+BAD_REQUESTS = {
+    "empty prompt": (_request(prompt=""), "prompt"),
+    "no prompt at all": (generation_pb2.GenerationRequest(max_new_tokens=4), "prompt"),
+    "negative temperature": (_request(sampling=common_pb2.SamplingParams(temperature=-0.5)), "temperature"),
+    "top_p zero": (_request(sampling=common_pb2.SamplingParams(top_p=0.0)), "top_p"),
+    "top_p above one": (_request(sampling=common_pb2.SamplingParams(top_p=1.5)), "top_p"),
+    "k zero": (_request(k=0), "k"),
+    "k too large": (_request(k=1000), "k"),
+    "unknown method": (_request(method="beam"), "method"),
+    "a negative": (_request(method="rd", a=-0.1), "a"),
+    "a above one": (_request(method="rd", a=1.5), "a"),
+    "max_new_tokens zero": (_request(max_new_tokens=0), "max_new_tokens"),
+    "token id outside the vocabulary": (_request(prompt=None, prompt_ids=common_pb2.TokenIds(ids=[1, 99])),
+                                        "prompt_ids"),
+    "prompt longer than the context window": (
+        _request(prompt=None, prompt_ids=common_pb2.TokenIds(ids=[1] * (TINY_CONTEXT + 5))), "prompt"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_inputs_get_invalid_argument_naming_the_field(stub, case) -> None:
+    request, field = BAD_REQUESTS[case]
+    code, details = _call_code(stub, request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (case, code, details)
+    assert field in details, (case, details)
+
+
+def test_bad_input_on_the_stream_too(stub) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.GenerateStream(_request(sampling=common_pb2.SamplingParams(temperature=-1.0)),
+                                 timeout=RPC_TIMEOUT_S))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature" in caught.value.details()
+
+
+def test_the_pipeline_still_serves_after_bad_requests(stub) -> None:
+    reply = stub.Generate(_request(seed=3, max_new_tokens=6, stop_token_ids=common_pb2.TokenIds()),
+                          timeout=RPC_TIMEOUT_S)
+    assert len(reply.token_ids) == 6 and reply.finish_reason == "length"
+
+
+def test_cli_prints_one_line_errors(pipeline) -> None:
+    address = pipeline.info["orchestrator"]
+    result = run_cli("generate", "--address", address, "--method", "beam", "t1")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # exactly one line
+    assert result.stderr.startswith("error: INVALID_ARGUMENT: method")
+    assert "Traceback" not in result.stderr
+    result = invoke_cli("generate", "--address", address, "--temperature", "-1", "t1")
+    assert result.exit_code == 1 and "INVALID_ARGUMENT" in result.stderr and "temperature" in result.stderr
+
+
+def test_sigterm_stops_every_process(pipeline) -> None:
+    children = list(pipeline.info["pids"].values())
+    pipeline.process.send_signal(signal.SIGTERM)
+    assert pipeline.wait_exit(60) == 0, pipeline.stderr()
+    assert wait_gone(children, 10) == [], "children survived `specdec up`"
+    assert not pipeline.ready_file.exists()
+    assert "all services stopped" in pipeline.stderr()

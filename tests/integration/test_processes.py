@@ -1,0 +1,163 @@
+"""orchestrator.processes with stand-in children (plain Python sleepers): supervision, stopping,
+no orphans, health waiting. Fast: no model and no torch in the children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from orchestrator import processes
+from orchestrator.processes import Child, ProcessError, Supervisor
+
+from .support import pid_alive, wait_gone
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+STUBBORN = [sys.executable, "-c", textwrap.dedent("""
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print('ready', flush=True)
+    time.sleep(120)
+""")]
+
+
+def _child(supervisor: Supervisor, name: str, argv: list[str]) -> Child:
+    return Child(name=name, argv=argv, ready_file=supervisor.log_dir / f"{name}.ready.json",
+                 log_path=supervisor.log_dir / f"{name}.log")
+
+
+def test_parse_and_format_cores() -> None:
+    assert processes.parse_cores("0,2-3, 5") == [0, 2, 3, 5]
+    assert processes.parse_cores("") is None and processes.parse_cores(None) is None
+    for bad in ("a", "3-1", "-1", "1-x"):
+        with pytest.raises(ValueError):
+            processes.parse_cores(bad)
+    assert processes.format_cores([3, 1]) == "1,3" and processes.format_cores(None) == "any"
+
+
+@pytest.mark.parametrize("cores, drafter, verifier", [
+    ([0], [0], [0]), ([0, 1], [0], [1]), ([0, 1, 2, 3], [0], [1, 2, 3]),
+    (list(range(8)), [0, 1], list(range(2, 8))),
+])
+def test_default_core_split(cores, drafter, verifier) -> None:
+    assert processes.default_core_split(cores) == (drafter, verifier)
+
+
+def test_pin_rejects_unavailable_cores() -> None:
+    with pytest.raises(ProcessError, match="not available"):
+        processes.pin_current_process([10_000])
+
+
+def test_watch_reports_the_child_that_died_and_stop_leaves_nothing(tmp_path) -> None:
+    supervisor = Supervisor(tmp_path)
+    try:
+        first = supervisor.start(_child(supervisor, "first", SLEEPER))
+        second = supervisor.start(_child(supervisor, "second", SLEEPER))
+        second.process.send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        assert supervisor.watch(poll=0.05) is second
+        assert time.monotonic() - started < 10
+        message = processes.describe_exit(second)
+        assert f"second (pid {second.pid}) was killed by SIGKILL" in message
+        assert first.alive()
+    finally:
+        supervisor.stop(grace=5)
+    assert wait_gone([first.pid, second.pid], 5) == []
+
+
+def test_stop_kills_a_child_that_ignores_sigterm(tmp_path) -> None:
+    supervisor = Supervisor(tmp_path)
+    child = supervisor.start(_child(supervisor, "stubborn", STUBBORN))
+    deadline = time.monotonic() + 30
+    while "ready" not in child.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = time.monotonic()
+    supervisor.stop(grace=0.5)
+    assert time.monotonic() - started < 10
+    assert child.returncode() == -signal.SIGKILL
+
+
+def test_watch_returns_none_when_a_stop_is_requested(tmp_path) -> None:
+    supervisor = Supervisor(tmp_path)
+    try:
+        supervisor.start(_child(supervisor, "sleeper", SLEEPER))
+        threading.Timer(0.2, supervisor.stop_requested.set).start()
+        assert supervisor.watch(poll=0.05) is None
+    finally:
+        supervisor.stop(grace=5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
+def test_children_do_not_outlive_a_killed_supervisor(tmp_path) -> None:
+    """Even SIGKILL on the supervisor (no chance to clean up) leaves no orphan behind."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from orchestrator.processes import Child, Supervisor
+        supervisor = Supervisor({str(tmp_path)!r})
+        child = supervisor.start(Child("sleeper", {SLEEPER!r}, Path({str(tmp_path)!r}) / "r.json",
+                                       Path({str(tmp_path)!r}) / "sleeper.log"))
+        print(child.pid, flush=True)
+        time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(processes.__file__)))
+    child_pid = None
+    try:
+        child_pid = int(parent.stdout.readline())
+        assert pid_alive(child_pid)
+        parent.kill()
+        parent.wait(timeout=10)
+        assert wait_gone([child_pid], 10) == [], "the child outlived its supervisor"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child_pid and pid_alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
+
+
+def test_wait_ready_reports_a_child_that_exits_early(tmp_path) -> None:
+    supervisor = Supervisor(tmp_path)
+    try:
+        child = supervisor.start(_child(supervisor, "crasher", [
+            sys.executable, "-c", "import sys; print('cannot load the model'); sys.exit(3)"]))
+        with pytest.raises(ProcessError, match=r"(?s)crasher \(pid \d+\) exited with code 3.*cannot load"):
+            processes.wait_ready(child, timeout=30)
+    finally:
+        supervisor.stop(grace=5)
+
+
+def test_wait_healthy_is_bounded_and_checks_the_real_health_service(tmp_path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    started = time.monotonic()
+    with pytest.raises(ProcessError, match="did not pass its health check"):
+        processes.wait_healthy(address, timeout=1.0)
+    assert time.monotonic() - started < 5
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        with pytest.raises(ProcessError, match="NOT_SERVING"):
+            processes.wait_healthy(f"127.0.0.1:{port}", timeout=1.0)
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        processes.wait_healthy(f"127.0.0.1:{port}", timeout=10.0)
+    finally:
+        server.stop(None)
