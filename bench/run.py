@@ -53,8 +53,8 @@ class BenchSettings:
     draft: str = DEFAULT_DRAFT
     target: str = DEFAULT_TARGET
     prompts: str = "humaneval"
-    num_prompts: int = 5
-    max_new_tokens: int = 48
+    num_prompts: int = 4
+    max_new_tokens: int = 32
     repeats: int = 3
     temperature: float = 1.0
     top_k: int = 0
@@ -62,7 +62,7 @@ class BenchSettings:
     seed: int = 1234
     methods: tuple[str, ...] = ("token", "block", "ersd", "gsd-tree", "rd")
     k: int | None = None  # sequence draft length; None → the analyser's best k
-    rd_sweep: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    rd_sweep: tuple[float, ...] = (0.25, 0.5, 0.75)
     block_check_k: int | None = 8  # also run token and block at this k (block-efficiency check)
     sweep_repeats: int = 1  # repeats of the sweep / check configurations
     grpc: bool = True
@@ -106,6 +106,10 @@ class RunRecord:
     iteration_seconds: float = 0.0
     busy_seconds: float = 0.0
     overhead_seconds: float = 0.0
+    # Decode phase: everything after the step that produced the first new token(s), so that the
+    # prompt's prefill (one pass per model, the same work for every method) is left out.
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,10 +238,25 @@ def _hf_generation_config(settings: BenchSettings, max_new_tokens: int, pad: int
     return GenerationConfig(**kwargs)
 
 
-def run_hf(
-    target, draft, prompt: list[int], settings: BenchSettings, seed: int, assisted: bool
-) -> tuple[int, float, int]:
-    """(new tokens, seconds, target forward passes) of HF generate, optionally assisted."""
+class _StepClock:
+    """An HF streamer that only timestamps: generate() puts the prompt first, then new tokens."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, int]] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.steps.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(target, draft, prompt: list[int], settings: BenchSettings, seed: int, assisted: bool) -> RunRecord:
+    """HF generate (optionally assisted): tokens, seconds, target forward passes, decode phase."""
     import torch
 
     config = _hf_generation_config(settings, settings.max_new_tokens, pad=0)
@@ -247,17 +266,23 @@ def run_hf(
         draft.model.generation_config = _hf_generation_config(settings, settings.max_new_tokens, pad=0)
         kwargs["assistant_model"] = draft.model
     counter = ForwardCounter(target.model)
+    clock = _StepClock()
     torch.manual_seed(seed)
     try:
         began = time.perf_counter()
         with torch.no_grad():
             out = target.model.generate(
-                ids, attention_mask=torch.ones_like(ids), generation_config=config, **kwargs
+                ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock, **kwargs
             )
-        seconds = time.perf_counter() - began
+        ended = time.perf_counter()
     finally:
         counter.close()
-    return int(out.shape[1] - len(prompt)), seconds, counter.count
+    tokens = int(out.shape[1] - len(prompt))
+    record = RunRecord("", 0, "", tokens, ended - began, counter.count)
+    if clock.steps:
+        first_time, first_tokens = clock.steps[0]
+        record.decode_tokens, record.decode_seconds = tokens - first_tokens, ended - first_time
+    return record
 
 
 async def run_pipeline(
@@ -282,6 +307,7 @@ async def run_pipeline(
     result = await orchestrator.generate(request)
     seconds = time.perf_counter() - began
     stats = result.stats
+    first, last = result.iterations[0], result.iterations[-1]
     return RunRecord(
         config=cfg.name,
         repeat=0,
@@ -295,6 +321,8 @@ async def run_pipeline(
         iteration_seconds=log.iteration_seconds,
         busy_seconds=log.busy_seconds,
         overhead_seconds=max(0.0, log.iteration_seconds - log.busy_seconds),
+        decode_tokens=len(result.token_ids) - len(first.emitted),
+        decode_seconds=max(0.0, last.end - first.end),
     )
 
 
@@ -453,7 +481,9 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> dict
     out_dir.mkdir(parents=True, exist_ok=True)
     home = Path(settings.home) if settings.home else None
     torch.set_num_threads(settings.threads)
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     say(f"loading models ({settings.dtype}, {settings.threads} thread(s) each)")
     draft_path, target_path = _resolve(settings.draft, home), _resolve(settings.target, home)
     target = load_model(
@@ -537,16 +567,16 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> dict
                             )
                         )
                     else:
-                        tokens, seconds, calls = run_hf(
+                        record = run_hf(
                             target, draft, prompt, settings, seed, assisted=cfg.kind == "hf-assisted"
                         )
-                        record = RunRecord(cfg.name, 0, "", tokens, seconds, calls)
-                    record.repeat, record.prompt = repeat, prompts[pi].id
+                    record.config, record.repeat, record.prompt = cfg.name, repeat, prompts[pi].id
                     records.append(record)
                     done += 1
                     say(
                         f"[{done}/{total}] r{repeat} {prompts[pi].id:>14s} {cfg.name:40s} "
-                        f"{record.tokens / record.seconds:6.2f} tok/s"
+                        f"{record.tokens / record.seconds:6.2f} tok/s "
+                        f"(decode {record.decode_tokens / max(record.decode_seconds, 1e-9):6.2f})"
                     )
         for orch in orchestrators.values():
             loop.run_until_complete(orch.close())
@@ -595,37 +625,52 @@ def key_numbers(analysis) -> dict[str, Any]:
     }
 
 
+def _median_rate(
+    rs: Sequence[RunRecord], tokens: Callable[[RunRecord], float], seconds: Callable[[RunRecord], float]
+) -> float | None:
+    """Median over repeats of (Σ tokens / Σ seconds) over the repeat's prompts."""
+    per_repeat: dict[int, list[RunRecord]] = {}
+    for r in rs:
+        per_repeat.setdefault(r.repeat, []).append(r)
+    values = [
+        sum(tokens(x) for x in g) / sum(seconds(x) for x in g)
+        for g in per_repeat.values()
+        if sum(seconds(x) for x in g) > 0
+    ]
+    return statistics.median(values) if values else None
+
+
 def summarise(configs: Sequence[RunConfig], records: Sequence[RunRecord], analysis) -> list[dict[str, Any]]:
-    """One row per configuration: medians over repeats (a repeat's tokens/s = its tokens / its seconds)."""
+    """One row per configuration: medians over repeats.
+
+    `tokens_per_second` is end to end (prefill included); `decode_tokens_per_second` leaves out
+    the step that produced the first new token(s) — the prompt's prefill, the same for every
+    method — and is what the speedups (and the analytic predictions) are about.
+    """
     by_config: dict[str, list[RunRecord]] = {}
     for r in records:
         by_config.setdefault(r.config, []).append(r)
 
-    def median_tps(rs: list[RunRecord]) -> float | None:
-        per_repeat: dict[int, list[RunRecord]] = {}
-        for r in rs:
-            per_repeat.setdefault(r.repeat, []).append(r)
-        values = [
-            sum(x.tokens for x in group) / sum(x.seconds for x in group)
-            for group in per_repeat.values()
-            if sum(x.seconds for x in group) > 0
-        ]
-        return statistics.median(values) if values else None
+    def e2e(rs: Sequence[RunRecord]) -> float | None:
+        return _median_rate(rs, lambda r: r.tokens, lambda r: r.seconds)
+
+    def decode(rs: Sequence[RunRecord]) -> float | None:
+        return _median_rate(rs, lambda r: r.decode_tokens, lambda r: r.decode_seconds)
 
     base_records = [r for r in records if r.config == configs[0].name]
-    base = median_tps(base_records)
     rows = []
     for cfg in configs:
         rs = by_config.get(cfg.name, [])
-        tps = median_tps(rs)
-        # Compare with the baseline on the same repeats only (sweep configs run fewer).
-        same = [r for r in base_records if r.repeat < cfg.repeats]
-        base_same = median_tps(same) if same else base
-        speedup = tps / base_same if tps and base_same else None
-        tokens = sum(r.tokens for r in rs)
+        # Compare with the baseline on the same repeats only (sweep configurations run fewer).
+        base_same = [r for r in base_records if r.repeat < cfg.repeats] or base_records
+        tps, dtps = e2e(rs), decode(rs)
+        base_tps, base_dtps = e2e(base_same), decode(base_same)
+        speedup = dtps / base_dtps if dtps and base_dtps else None
         calls = sum(r.target_calls for r in rs)
         drafted = sum(r.drafted for r in rs)
         iteration_seconds = sum(r.iteration_seconds for r in rs)
+        iterations = sum(r.iterations for r in rs)
+        overhead = sum(r.overhead_seconds for r in rs)
         row = {
             "name": cfg.name,
             "kind": cfg.kind,
@@ -637,17 +682,13 @@ def summarise(configs: Sequence[RunConfig], records: Sequence[RunRecord], analys
             "runs": len(rs),
             "repeats": cfg.repeats,
             "tokens_per_second": tps,
+            "speedup_end_to_end": tps / base_tps if tps and base_tps else None,
+            "decode_tokens_per_second": dtps,
             "speedup": speedup,
-            "block_efficiency": tokens / calls if calls else None,
+            "block_efficiency": sum(r.tokens for r in rs) / calls if calls else None,
             "acceptance": sum(r.accepted for r in rs) / drafted if drafted else None,
-            "overhead_fraction": (
-                sum(r.overhead_seconds for r in rs) / iteration_seconds if iteration_seconds else None
-            ),
-            "overhead_ms_per_iteration": (
-                1000 * sum(r.overhead_seconds for r in rs) / sum(r.iterations for r in rs)
-                if sum(r.iterations for r in rs)
-                else None
-            ),
+            "overhead_fraction": overhead / iteration_seconds if iteration_seconds else None,
+            "overhead_ms_per_iteration": 1000 * overhead / iterations if iterations else None,
             "predicted_speedup": None,
             "predicted_speedup_timed": None,
             "fraction_of_analytic": None,
@@ -676,8 +717,9 @@ def write_outputs(results: dict[str, Any], analysis_dict: dict[str, Any], out_di
             measured_rd.append((float(row["a"]), float(row["speedup"])))
     files = plots.plot_analysis(analysis_dict, out_dir, measured_rd)
     files.append(plots.plot_bench(results, out_dir / "bench_tps.png"))
-    results["files"] = [str(Path(f).name) for f in files] + ["results.json", "analysis.json"]
+    results["files"] = [str(Path(f).name) for f in files] + ["results.json", "analysis.json", "summary.md"]
     (out_dir / "results.json").write_text(json.dumps(_json_safe(results), indent=1))
+    (out_dir / "summary.md").write_text(summary_markdown(results))
 
 
 def _json_safe(value: Any) -> Any:
@@ -715,11 +757,12 @@ def render_table(results: dict[str, Any], console=None) -> None:
         f"tree budget={key['tree_budget']}  a*={key['best_a']:.3f} (k_max={key['rd_k_max']})  "
         f"Lemma 4.3 {'holds' if key['lemma_4_3_holds'] else 'fails'}"
     )
-    table = Table(title="benchmark (medians over repeats)")
+    table = Table(title="benchmark (medians over repeats; speedup = decode tok/s vs the baseline's)")
     for column in (
         "configuration",
         "runs",
         "tok/s",
+        "decode tok/s",
         "speedup",
         "tokens/target call",
         "acceptance",
@@ -733,6 +776,7 @@ def render_table(results: dict[str, Any], console=None) -> None:
             row["name"],
             str(row["runs"]),
             _fmt(row["tokens_per_second"]),
+            _fmt(row["decode_tokens_per_second"]),
             _fmt(row["speedup"], ".2f", "×"),
             _fmt(row["block_efficiency"]),
             _fmt(row["acceptance"], ".3f"),
@@ -751,22 +795,54 @@ def render_table(results: dict[str, Any], console=None) -> None:
 
 def markdown_table(results: dict[str, Any]) -> str:
     lines = [
-        "| configuration | runs | tok/s | speedup | tokens / target call | acceptance | overhead "
-        "| predicted speedup (formula / timed) | achieved vs formula |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| configuration | runs | tok/s (end to end) | decode tok/s | decode speedup | tokens / target call "
+        "| acceptance | overhead | predicted speedup (formula / timed) | achieved vs formula |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["summary"]:
         overhead = row["overhead_fraction"]
         frac = row["fraction_of_analytic"]
         lines.append(
             f"| {row['name']} | {row['runs']} | {_fmt(row['tokens_per_second'])} "
-            f"| {_fmt(row['speedup'], '.2f', '×')} "
+            f"| {_fmt(row['decode_tokens_per_second'])} | {_fmt(row['speedup'], '.2f', '×')} "
             f"| {_fmt(row['block_efficiency'])} | {_fmt(row['acceptance'], '.3f')} "
             f"| {_fmt(overhead * 100 if overhead is not None else None, '.1f', '%')} "
             f"| {_fmt(row['predicted_speedup'], '.2f', '×')} "
             f"/ {_fmt(row['predicted_speedup_timed'], '.2f', '×')} "
             f"| {_fmt(frac * 100 if frac is not None else None, '.0f', '%')} |"
         )
+    return "\n".join(lines)
+
+
+def summary_markdown(results: dict[str, Any]) -> str:
+    """The run as Markdown: command, machine, key numbers of the analyser, the table."""
+    key, m, st = results["analysis_key_numbers"], results["machine"], results["settings"]
+    holds = "holds" if key["lemma_4_3_holds"] else "does not hold"
+    lines = [
+        f"# {st['draft']} → {st['target']}",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads_per_model']} torch thread(s) per model, "
+        f"{st['dtype']}, GPU: {'yes' if m['gpu'] else 'no'}; torch {m['torch']}, "
+        f"transformers {m['transformers']}.",
+        "",
+        f"Prompts ({st['prompts']}): {', '.join(results['prompts'])}; {st['max_new_tokens']} new tokens, "
+        f"T={st['temperature']}, top-k={st['top_k']}, top-p={st['top_p']}, {st['repeats']} repeats.",
+        "",
+        f"Analyser: α = {key['alpha']:.3f}, ERSD α = {key['ersd_alpha']:.3f}, "
+        f"T_p = {key['t_p'] * 1000:.0f} ms, T_q = {key['t_q'] * 1000:.0f} ms, c = {key['c']:.2f}, "
+        f"λ = {key['lambda']:.3f}; best k = {key['best_k']} (formula) / {key['best_k_timed']} "
+        f"(measured T_p(n)); tree budget {key['tree_budget']} {key['tree_parents']}; "
+        f"RD a* = {key['best_a']:.3f} with k_max = {key['rd_k_max']} (k = 1: a* = {key['best_a_k1']:.3f}); "
+        f"Lemma 4.3 {holds} (λ vs Σ_(p>q) q = {key['lemma_4_3_threshold']:.3f}).",
+        "",
+        markdown_table(results),
+        "",
+        f"Wall time: analysis {results['seconds']['analysis']:.0f} s, "
+        f"total {results['seconds']['total']:.0f} s.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -819,8 +895,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
     p.add_argument("--out", dest="out_dir", default=d.out_dir)
     p.add_argument("--no-save-calibration", dest="save_calibration", action="store_false")
-    p.add_argument("--server-timeout-s", type=float, default=d.server_timeout_s,
-                   help="seconds a gRPC server may take to load its model")
+    p.add_argument(
+        "--server-timeout-s",
+        type=float,
+        default=d.server_timeout_s,
+        help="seconds a gRPC server may take to load its model",
+    )
     p.add_argument("--home", default=None, help="specdec home (default $SPECDEC_HOME or ~/.cache/specdec)")
     return p
 

@@ -330,8 +330,8 @@ def bench(
     prompts: PromptsOpt = "humaneval",
     num_prompts: Annotated[
         int, typer.Option("--num-prompts", help="How many prompts of the set to use.")
-    ] = 5,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="New tokens per generation.")] = 48,
+    ] = 4,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="New tokens per generation.")] = 32,
     repeats: Annotated[
         int, typer.Option("--repeats", help="Rounds over every prompt and configuration.")
     ] = 3,
@@ -348,7 +348,7 @@ def bench(
     ] = "token,block,ersd,gsd-tree,rd",
     rd_sweep: Annotated[
         str, typer.Option("--rd-sweep", help="Extra RD draft probabilities a, comma-separated.")
-    ] = "0.25,0.5,0.75,1.0",
+    ] = "0.25,0.5,0.75",
     grpc: Annotated[
         bool,
         typer.Option(

@@ -265,7 +265,9 @@ def _serve_engine(role: str, model: str, host: str, port: int, device: str, dtyp
             from specdec.engine.verifier import VerifierEngine as Engine
             from verifier_service.server import start_verifier_server as start_server
         engine = Engine(loaded, sessions)
-    except (CliError, ProcessError, ValueError, OSError, RuntimeError) as exc:
+    except CliError as exc:
+        raise fail(str(exc)) from None
+    except (ProcessError, ValueError, OSError, RuntimeError) as exc:
         raise fail(f"{role}: {exc}") from None
 
     async def main() -> None:
@@ -334,9 +336,11 @@ def orchestrator_config(default_method: str | None = None, default_k: int | None
              "store_url": store_url}
     try:
         return OrchestratorConfig(**{key: value for key, value in given.items() if value is not None})
-    except ValueError as exc:  # pydantic's ValidationError: keep the first useful line
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        raise CliError("bad orchestrator setting: " + " ".join(lines[1:3] or lines[:1])) from None
+    except ValueError as exc:  # pydantic's ValidationError: one short line per bad field
+        errors = exc.errors() if hasattr(exc, "errors") else [{"loc": (), "msg": str(exc)}]
+        parts = [f"{'.'.join(map(str, e['loc'])) or 'setting'}: {e['msg'].removeprefix('Value error, ')}"
+                 for e in errors]
+        raise CliError("bad orchestrator setting: " + "; ".join(parts)) from None
 
 
 @serve_app.command("orchestrator")

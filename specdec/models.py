@@ -262,6 +262,11 @@ def resolve_model(
                 f"model {name_or_path!r} is not installed (no {target}); "
                 f"run: python -m specdec.models install {name_or_path}"
             )
+        expected = registry[name_or_path].sha256
+        if cached_sha256(target, home) != expected:
+            raise ModelInstallError(
+                f"{target} does not have the registry's sha256 {expected}; delete it and install again"
+            )
         return convert_gguf(target, home)
     return Path(name_or_path).expanduser()
 

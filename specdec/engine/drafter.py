@@ -65,8 +65,7 @@ class DrafterEngine:
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: active_sessions, evictions (LRU + TTL), expirations, created, released."""
-        stats = self.sessions.stats()
-        return stats
+        return self.sessions.stats()
 
     # ------------------------------------------------------------------------------------------
     def draft(self, request: DraftRequest) -> DraftResult:
@@ -92,8 +91,8 @@ class DrafterEngine:
         vocab = self.loaded.info.vocab_size
         forward_seconds = 0.0
 
-        reused, pending = prepare(kv, committed)
         start = time.perf_counter()
+        reused, pending = prepare(kv, committed)  # may prefill a long run of new tokens
         root_logits = kv.extend_chain(pending)[-1]
         forward_seconds += time.perf_counter() - start
 

@@ -86,7 +86,7 @@ class TreeKVCache:
 
         Every other block entry is dropped. When the chain is the block's first entries in
         order (a sequence draft, fully accepted) this is a plain crop; otherwise the kept
-        entries are gathered along the sequence dimension.
+        entries are first copied into place along the sequence dimension (O(path) per layer).
         """
         path = [int(e) for e in path]
         for i, entry in enumerate(path):
@@ -94,11 +94,9 @@ class TreeKVCache:
             if not 0 <= entry < self.block_len or self.block_parents[entry] != expected_parent:
                 raise CacheError(f"block entries {path} are not a chain from the prefix's end")
         start = self.prefix_len
-        if path == list(range(len(path))):
-            self._keep_first(start + len(path))
-        else:
-            index = torch.cat([torch.arange(start), torch.tensor(path, dtype=torch.long) + start])
-            self._gather(index)
+        if path != list(range(len(path))):
+            self._move_into_place(start, path)
+        self._keep_first(start + len(path))
         self.prefix = self.prefix + [self.block_tokens[e] for e in path]
         self._clear_block()
 
@@ -124,13 +122,15 @@ class TreeKVCache:
                 layer.keys = layer.keys[..., :length, :]
                 layer.values = layer.values[..., :length, :]
 
-    def _gather(self, index: torch.Tensor) -> None:
+    def _move_into_place(self, start: int, path: list[int]) -> None:
+        """Copy the kept block entries to start, start + 1, ... (only the block's tail is touched)."""
         for layer in self._layers():
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                 continue
-            idx = index.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
+            source = torch.tensor(path, dtype=torch.long, device=layer.keys.device) + start
+            # Advanced indexing copies the source first, so overlapping ranges are safe.
+            layer.keys[..., start : start + len(path), :] = layer.keys[..., source, :]
+            layer.values[..., start : start + len(path), :] = layer.values[..., source, :]
 
     # forward ----------------------------------------------------------------------------------
     def extend(self, tokens: Sequence[int], parents: Sequence[int], rows_from: int = 0) -> torch.Tensor:

@@ -16,8 +16,10 @@ def tiny_dirs(tmp_path_factory):
     from specdec.runtime.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("analysis-tiny")
-    return {"target": save_tiny_model(root / "target", vocab_size=VOCAB, seed=101),
-            "draft": save_tiny_model(root / "draft", vocab_size=VOCAB, seed=202)}
+    return {
+        "target": save_tiny_model(root / "target", vocab_size=VOCAB, seed=101),
+        "draft": save_tiny_model(root / "draft", vocab_size=VOCAB, seed=202),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +36,18 @@ def tiny_analysis(tiny_models):
     from specdec.sampling import SamplingParams
 
     analysis, rows = analyze(
-        tiny_models["target"].model, tiny_models["draft"].model, [[1, 2, 3], [2, 2, 4, 1]], SamplingParams(1.0),
-        max_new_tokens=12, seed=3, draft_id="tiny-draft", target_id="tiny-target", timing_repeats=2,
-        rank_samples=64, sim_samples=2, max_budget=8, k_max=6,
+        tiny_models["target"].model,
+        tiny_models["draft"].model,
+        [[1, 2, 3], [2, 2, 4, 1]],
+        SamplingParams(1.0),
+        max_new_tokens=12,
+        seed=3,
+        draft_id="tiny-draft",
+        target_id="tiny-target",
+        timing_repeats=2,
+        rank_samples=64,
+        sim_samples=2,
+        max_budget=8,
+        k_max=6,
     )
     return analysis, rows

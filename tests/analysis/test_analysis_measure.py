@@ -123,7 +123,9 @@ def _rows_from(p: torch.Tensor, q: torch.Tensor) -> list[PromptRows]:
 def test_window_simulation_with_identical_rows_accepts_everything() -> None:
     p, _ = _random_rows(12, 7, seed=8)
     for method in ("token", "block"):
-        assert simulate_sequence_tokens(_rows_from(p, p.clone()), method, k=3, samples=2) == pytest.approx(4.0)
+        assert simulate_sequence_tokens(_rows_from(p, p.clone()), method, k=3, samples=2) == pytest.approx(
+            4.0
+        )
 
 
 def test_window_simulation_stays_in_range_and_needs_enough_rows() -> None:
@@ -186,8 +188,18 @@ def test_analysis_structure(tiny_analysis) -> None:
     analysis, rows = tiny_analysis
     data = analysis.to_dict()
     json.dumps(data, allow_nan=False)  # strict JSON
-    assert set(data) == {"meta", "acceptance", "entropy", "rank_acceptance", "timing", "block_simulation",
-                         "rd_alpha", "plan", "bounds", "curves"}
+    assert set(data) == {
+        "meta",
+        "acceptance",
+        "entropy",
+        "rank_acceptance",
+        "timing",
+        "block_simulation",
+        "rd_alpha",
+        "plan",
+        "bounds",
+        "curves",
+    }
     acc = data["acceptance"]
     for key in ("alpha", "alpha_per_position", "alpha_per_prompt", "tv", "d_hm", "ersd_alpha", "kl"):
         assert key in acc
@@ -204,7 +216,13 @@ def test_analysis_structure(tiny_analysis) -> None:
     assert 0.0 <= plan["rd"]["schedule"]["a"] <= 1.0
     assert isinstance(plan["rd"]["lemma_4_3_holds"], bool)
     assert tree_depth(plan["tree"]["gsd"]["parents"]) == plan["tree"]["gsd"]["depth"]
-    for key in ("tunstall_gsd", "tunstall_ersd", "tunstall_refined_ersd", "speed_of_light", "speed_of_light_asymptotic"):
+    for key in (
+        "tunstall_gsd",
+        "tunstall_ersd",
+        "tunstall_refined_ersd",
+        "speed_of_light",
+        "speed_of_light_asymptotic",
+    ):
         assert key in data["bounds"]
     curves = data["curves"]
     assert len(curves["speedup_vs_k"]["token_formula"]) == 6
@@ -222,7 +240,9 @@ def test_predictions_follow_the_formulas(tiny_analysis) -> None:
     analysis, _ = tiny_analysis
     alpha, t = analysis.acceptance["alpha"], analysis.timing
     for k in (1, 3, 5):
-        assert analysis.predict("token", k=k)["speedup_formula"] == pytest.approx(theory.speedup(alpha, k, t.c))
+        assert analysis.predict("token", k=k)["speedup_formula"] == pytest.approx(
+            theory.speedup(alpha, k, t.c)
+        )
     # RD at a = 1 is token verification with k = k_max, at a = 0 target-only decoding
     rd1 = analysis.predict("rd", a=1.0, k=3)
     assert rd1["speedup_formula"] == pytest.approx(theory.speedup(analysis.alpha_of_a(1.0), 3, t.c))
@@ -230,3 +250,20 @@ def test_predictions_follow_the_formulas(tiny_analysis) -> None:
     assert analysis.predict("autoregressive")["speedup_formula"] == 1.0
     with pytest.raises(ValueError):
         analysis.predict("nope")
+
+
+def test_analysis_and_calibration_stay_free_of_io_frameworks() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, specdec.analysis, specdec.calibration\n"
+        "bad = [m for m in ('grpc', 'redis', 'opentelemetry') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120
+    )
+    assert result.returncode == 0, result.stderr

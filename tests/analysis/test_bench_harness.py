@@ -39,8 +39,11 @@ def test_overhead_counts_sequential_calls_fully_and_concurrent_ones_once() -> No
     assert log.iteration_seconds - log.busy_seconds == pytest.approx(0.5)
     # RD no-draft step: draft and score concurrently, then a verify that reuses the score
     log.reset()
-    log.calls += [("draft", 0.0, 1.0, 0.9, {}), ("score", 0.0, 2.0, 0.0, {}),
-                  ("verify", 2.1, 2.3, 1.8, {"verify_seconds": 0.1, "score_reused": True})]
+    log.calls += [
+        ("draft", 0.0, 1.0, 0.9, {}),
+        ("score", 0.0, 2.0, 0.0, {}),
+        ("verify", 2.1, 2.3, 1.8, {"verify_seconds": 0.1, "score_reused": True}),
+    ]
     log.on_iteration(SimpleNamespace(start=0.0, end=2.4))
     # busy: draft [0.1, 1.0] ∪ forward [0.2, 2.0] ∪ verify [2.2, 2.3] = 1.9 + 0.1
     assert log.busy_seconds == pytest.approx(2.0)
@@ -48,7 +51,17 @@ def test_overhead_counts_sequential_calls_fully_and_concurrent_ones_once() -> No
 
 
 def test_cli_arguments_round_trip() -> None:
-    args = ["--prompts", "builtin", "--methods", "token,rd", "--rd-sweep", "0.5", "--no-grpc", "--block-check-k", "0"]
+    args = [
+        "--prompts",
+        "builtin",
+        "--methods",
+        "token,rd",
+        "--rd-sweep",
+        "0.5",
+        "--no-grpc",
+        "--block-check-k",
+        "0",
+    ]
     settings = settings_from_args(parser().parse_args(args))
     assert settings.methods == ("token", "rd") and settings.rd_sweep == (0.5,) and not settings.grpc
     assert settings.block_check_k is None
@@ -60,8 +73,13 @@ def test_cli_arguments_round_trip() -> None:
 
 def test_configurations_cover_every_method_and_the_sweeps(tiny_analysis) -> None:
     analysis, _ = tiny_analysis
-    settings = BenchSettings(methods=("token", "block", "ersd", "gsd-tree", "rd", "ersd-tree"),
-                             rd_sweep=(0.0, 1.0), block_check_k=8, repeats=3, sweep_repeats=1)
+    settings = BenchSettings(
+        methods=("token", "block", "ersd", "gsd-tree", "rd", "ersd-tree"),
+        rd_sweep=(0.0, 1.0),
+        block_check_k=8,
+        repeats=3,
+        sweep_repeats=1,
+    )
     configs = build_configs(settings, analysis)
     names = [c.name for c in configs]
     assert names[0].startswith("baseline") and names[1].startswith("HF assisted")
@@ -77,9 +95,20 @@ def test_configurations_cover_every_method_and_the_sweeps(tiny_analysis) -> None
 
 
 def _settings(tiny_dirs, tmp_path, **overrides) -> BenchSettings:
-    values = dict(draft=str(tiny_dirs["draft"]), target=str(tiny_dirs["target"]), prompts="builtin",
-                  num_prompts=2, max_new_tokens=6, repeats=2, analysis_tokens=8, rd_sweep=(0.5,),
-                  block_check_k=3, grpc=False, out_dir=str(tmp_path / "out"), home=str(tmp_path))
+    values = dict(
+        draft=str(tiny_dirs["draft"]),
+        target=str(tiny_dirs["target"]),
+        prompts="builtin",
+        num_prompts=2,
+        max_new_tokens=6,
+        repeats=2,
+        analysis_tokens=8,
+        rd_sweep=(0.5,),
+        block_check_k=3,
+        grpc=False,
+        out_dir=str(tmp_path / "out"),
+        home=str(tmp_path),
+    )
     values.update(overrides)
     return BenchSettings(**values)
 
@@ -89,23 +118,40 @@ def test_bench_runs_end_to_end_in_process(tiny_dirs, tmp_path) -> None:
     results = run_bench(settings, progress=lambda message: None)
     out = tmp_path / "out"
     saved = json.loads((out / "results.json").read_text())
-    assert set(saved) >= {"settings", "machine", "command", "prompts", "analysis_key_numbers", "configs",
-                          "summary", "runs", "seconds", "files"}
-    assert {p.name for p in out.glob("*.png")} == {"speedup_vs_k.png", "tps_vs_a.png", "tokens_vs_budget.png",
-                                                   "bench_tps.png"}
+    assert set(saved) >= {
+        "settings",
+        "machine",
+        "command",
+        "prompts",
+        "analysis_key_numbers",
+        "configs",
+        "summary",
+        "runs",
+        "seconds",
+        "files",
+    }
+    assert {p.name for p in out.glob("*.png")} == {
+        "speedup_vs_k.png",
+        "tps_vs_a.png",
+        "tokens_vs_budget.png",
+        "bench_tps.png",
+    }
     summary = {row["name"]: row for row in results["summary"]}
     assert len(summary) == len(results["configs"])
     base = summary["baseline (HF generate)"]
     assert base["speedup"] == pytest.approx(1.0) and base["block_efficiency"] >= 1.0
     for row in summary.values():
-        assert row["tokens_per_second"] > 0
+        assert row["tokens_per_second"] > 0 and row["decode_tokens_per_second"] > 0
         assert row["runs"] == row["repeats"] * 2
         if row["kind"] == "pipeline":
             assert row["block_efficiency"] >= 1.0
             assert 0.0 <= row["overhead_fraction"] <= 1.0
             assert row["predicted_speedup"] > 0 and row["fraction_of_analytic"] > 0
-    # every run produced exactly the tokens asked for (no EOS stop)
-    assert all(run["tokens"] == 6 for run in results["runs"])
+    # every run produced exactly the tokens asked for (no EOS stop); the decode phase leaves out the
+    # step that produced the first token(s)
+    for run in results["runs"]:
+        assert run["tokens"] == 6 and 0 <= run["decode_tokens"] < 6
+        assert 0 <= run["decode_seconds"] < run["seconds"]
     # interleaving: within a round over one prompt every configuration ran once
     first = [r["config"] for r in results["runs"] if r["repeat"] == 0 and r["prompt"] == "builtin/0"]
     assert sorted(first) == sorted(c["name"] for c in results["configs"])
@@ -119,9 +165,19 @@ def test_bench_runs_end_to_end_in_process(tiny_dirs, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_bench_over_grpc(tiny_dirs, tmp_path) -> None:
-    settings = _settings(tiny_dirs, tmp_path, num_prompts=1, repeats=1, methods=("token", "rd"), rd_sweep=(),
-                         block_check_k=None, hf_assisted=False, grpc=True, grpc_methods=("token", "rd"),
-                         server_timeout_s=180.0)
+    settings = _settings(
+        tiny_dirs,
+        tmp_path,
+        num_prompts=1,
+        repeats=1,
+        methods=("token", "rd"),
+        rd_sweep=(),
+        block_check_k=None,
+        hf_assisted=False,
+        grpc=True,
+        grpc_methods=("token", "rd"),
+        server_timeout_s=180.0,
+    )
     results = run_bench(settings, progress=lambda message: None)
     grpc_rows = [row for row in results["summary"] if row["transport"] == "grpc"]
     assert {row["method"] for row in grpc_rows} == {"token", "rd"}

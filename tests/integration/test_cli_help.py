@@ -102,3 +102,19 @@ def test_up_reports_missing_model_with_the_install_command(tmp_path, monkeypatch
     assert f"specdec models install {cli.DEFAULT_DRAFT}" in result.output
     result = CliRunner().invoke(cli.app, ["up", "--draft", str(tmp_path / "nope")], env={"COLUMNS": "220"})
     assert result.exit_code == 1 and "no such file or directory" in result.output
+
+
+def test_models_list_and_install_without_a_network(tmp_path, monkeypatch) -> None:
+    import json
+
+    from specdec import models
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))  # an empty model store
+    result = CliRunner().invoke(cli.app, ["models", "list", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [row["name"] for row in rows] == list(models.REGISTRY)
+    assert not any(row["installed"] for row in rows)
+    assert {row["role"] for row in rows} >= {"default draft", "default target"}
+    result = CliRunner().invoke(cli.app, ["models", "install", "no-such-model"])
+    assert result.exit_code == 2 and "unknown model" in result.stderr

@@ -27,7 +27,6 @@ from .support import (
     cli_env,
     invoke_cli,
     kill_pids,
-    run_cli,
     wait_gone,
 )
 
@@ -127,12 +126,12 @@ def test_dead_verifier_gives_unavailable_with_its_address(services) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_generate_with_nothing_listening(tmp_path) -> None:
+def test_generate_with_nothing_listening() -> None:
     with socket.socket() as sock:  # a port that was free a moment ago
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
-    result = run_cli("generate", "--address", address, "def quicksort")
-    assert result.returncode == 1
+    result = invoke_cli("generate", "--address", address, "def quicksort")
+    assert result.exit_code == 1
     assert result.stderr.strip() == (
         f"error: UNAVAILABLE: no orchestrator answers at {address}; start one with `specdec up` (or pass "
         "--address), or run in-process with --draft and --target")

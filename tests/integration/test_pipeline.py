@@ -73,6 +73,15 @@ def test_generate_json_over_the_pipeline(pipeline) -> None:
     assert stats["accepted_tokens"] <= stats["drafted_tokens"]
 
 
+def test_generate_streams_text(pipeline) -> None:
+    result = invoke_cli("generate", "--address", pipeline.info["orchestrator"], "--stream", "--seed", "3",
+                        "--ignore-eos", "-n", "9", "--method", "rd", "--a", "0.5", "t4")
+    assert result.exit_code == 0, result.output
+    words = result.stdout.split()
+    assert len(words) == 9 and all(w in {f"t{i}" for i in range(VOCAB)} for w in words)
+    assert "9 tokens" in result.stderr and "seed 3" in result.stderr  # the statistics line
+
+
 def _request(**fields) -> generation_pb2.GenerationRequest:
     fields.setdefault("prompt", "t1 t2")
     fields.setdefault("max_new_tokens", 4)

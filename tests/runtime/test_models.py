@@ -189,6 +189,11 @@ def test_resolve_model(tmp_path):
         resolve_model("fake-model", home=home, registry=fake_registry())
     with pytest.raises(KeyError):
         install_model("no-such-model", home=home)
+    # A file that is present but not the registry's is refused before any conversion.
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "fake-model.gguf").write_bytes(b"something else")
+    with pytest.raises(ModelInstallError, match="sha256"):
+        resolve_model("fake-model", home=home, registry=fake_registry())
 
 
 def test_registry_names_the_default_models():
