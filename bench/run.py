@@ -31,6 +31,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -53,7 +54,7 @@ class BenchSettings:
     draft: str = DEFAULT_DRAFT
     target: str = DEFAULT_TARGET
     prompts: str = "humaneval"
-    num_prompts: int = 4
+    num_prompts: int = 3
     max_new_tokens: int = 32
     repeats: int = 3
     temperature: float = 1.0
@@ -73,7 +74,7 @@ class BenchSettings:
     threads: int = 1
     device: str = "cpu"
     dtype: str = "float32"
-    max_prompt_tokens: int = 384
+    max_prompt_tokens: int = 256
     out_dir: str = str(DEFAULT_OUT)
     save_calibration: bool = True
     home: str | None = None
@@ -534,13 +535,31 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> dict
     }
     grpc_pair = None
     records: list[RunRecord] = []
+
+    def collect(rounds: int) -> dict[str, Any]:
+        return {
+            "settings": asdict(settings),
+            "machine": machine_description(settings.threads),
+            "command": " ".join(["python -m bench.run", *to_argv(settings)]),
+            "prompts": [p.id for p in prompts],
+            "prompt_tokens": [len(i) for i in ids],
+            "analysis_key_numbers": key_numbers(analysis),
+            "configs": [asdict(c) for c in configs],
+            "rounds_done": rounds,
+            "summary": summarise(configs, records, analysis),
+            "runs": [asdict(r) for r in records],
+            "seconds": {"analysis": analysis_seconds, "total": time.perf_counter() - began},
+        }
+
     loop = asyncio.new_event_loop()
     try:
         if any(c.transport == "grpc" for c in configs):
             from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
 
             say("starting gRPC drafter and verifier servers (pinned to separate cores)")
-            grpc_pair = _GrpcPair(settings, draft_path, target_path, out_dir / "server-logs")
+            grpc_pair = _GrpcPair(
+                settings, draft_path, target_path, Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+            )
             addresses = grpc_pair.start()
             orchestrators["grpc"] = Orchestrator(
                 TimedDrafter(GrpcDrafterClient(addresses["drafter"], timeout_s=600), logs["grpc"]),
@@ -578,6 +597,9 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> dict
                         f"{record.tokens / record.seconds:6.2f} tok/s "
                         f"(decode {record.decode_tokens / max(record.decode_seconds, 1e-9):6.2f})"
                     )
+            # A long run that is stopped early still leaves every finished round behind.
+            partial = collect(repeat + 1)
+            (out_dir / "results.partial.json").write_text(json.dumps(_json_safe(partial), indent=1))
         for orch in orchestrators.values():
             loop.run_until_complete(orch.close())
     finally:
@@ -585,20 +607,9 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> dict
         if grpc_pair is not None:
             grpc_pair.stop()
 
-    summary = summarise(configs, records, analysis)
-    results = {
-        "settings": asdict(settings),
-        "machine": machine_description(settings.threads),
-        "command": " ".join(["python -m bench.run", *to_argv(settings)]),
-        "prompts": [p.id for p in prompts],
-        "prompt_tokens": [len(i) for i in ids],
-        "analysis_key_numbers": key_numbers(analysis),
-        "configs": [asdict(c) for c in configs],
-        "summary": summary,
-        "runs": [asdict(r) for r in records],
-        "seconds": {"analysis": analysis_seconds, "total": time.perf_counter() - began},
-    }
+    results = collect(settings.repeats)
     write_outputs(results, analysis.to_dict(), out_dir)
+    (out_dir / "results.partial.json").unlink(missing_ok=True)
     return results
 
 

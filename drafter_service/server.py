@@ -8,7 +8,7 @@ other sessions. Errors map to status codes as documented in proto/grpc_support.p
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -19,6 +19,7 @@ from proto.grpc_support import (
     DEFAULT_MAX_MESSAGE_MB,
     guarded,
     run_blocking,
+    run_observed,
     serve_until_signal,
     start_engine_server,
 )
@@ -30,9 +31,11 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_na
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, engine: Any, executor: Executor | None = None) -> None:
+    def __init__(self, engine: Any, executor: Executor | None = None, observers: Sequence[Any] = ()) -> None:
         self.engine = engine
         self.executor = executor
+        # Told about every engine call (orchestrator.tracing.ServiceObserver: spans, metrics).
+        self.observers = tuple(observers)
 
     @guarded
     async def Info(self, request: common_pb2.InfoRequest, context) -> common_pb2.ModelInfo:
@@ -41,7 +44,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     @guarded
     async def Draft(self, request: drafter_pb2.DraftRequest, context) -> drafter_pb2.DraftResult:
         req = convert.draft_request_from_proto(request)
-        result = await run_blocking(self.executor, self.engine.draft, req)
+        result = await run_observed(self.executor, self.observers, "Draft", req, self.engine.draft, req)
         return convert.draft_result_to_proto(result)
 
     @guarded
@@ -58,15 +61,17 @@ async def start_drafter_server(
     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     max_workers: int = 1,
+    observers: Sequence[Any] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """Start a DrafterService (+ health, reflection) for `engine`; returns (server, bound port).
 
     max_workers: threads running engine calls. 1 serialises them (safe for any engine); raise it
     only for an engine that is thread-safe across sessions. Stop with
     proto.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
+    observers: told about every engine call (tracing spans, metrics); see proto.grpc_support.run_observed.
     """
     return await start_engine_server(
-        lambda executor: DrafterServicer(engine, executor),
+        lambda executor: DrafterServicer(engine, executor, observers),
         drafter_pb2_grpc.add_DrafterServiceServicer_to_server,
         SERVICE_NAME,
         host,

@@ -8,6 +8,11 @@ transformers, grpc) happen inside the commands so that `--help` answers at once.
     specdec up                              # drafter + verifier + orchestrator on loopback
     specdec generate "def quicksort"        # talks to `up` at 127.0.0.1:50050
     specdec generate --draft D --target T "def quicksort"   # in-process, no servers
+    specdec serve drafter|verifier|orchestrator ...         # one service (what `up` runs)
+
+Mounted from their own modules: `analyze` and `bench` (orchestrator.analyze_cli),
+`trace-report` and `trace-collect` (orchestrator.observability_cli, which also provides the
+--trace-file / --otlp-endpoint / --metrics-port options wired in here).
 
 Errors are one line on stderr ("error: CODE: message") and a non-zero exit code, never a
 Python traceback. Text goes to stdout, progress and statistics to stderr.
@@ -20,7 +25,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,7 +34,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator import processes
+from orchestrator import observability_cli, processes
+from orchestrator.analyze_cli import analyze_app, bench_app
+from orchestrator.observability_cli import MetricsHostOpt, MetricsPortOpt, OtlpEndpointOpt, TraceFileOpt
 from orchestrator.processes import (
     DEFAULT_DRAFTER_PORT,
     DEFAULT_HOST,
@@ -64,6 +71,8 @@ serve_app = typer.Typer(help="Run one service in the foreground (`specdec up` st
                         no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(serve_app, name="serve")
+app.add_typer(analyze_app)  # specdec analyze
+app.add_typer(bench_app)  # specdec bench
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # one error = one line, even when piped
 out = Console(highlight=False, soft_wrap=True)
@@ -217,6 +226,12 @@ def _port_opt(default_help: str = "Port to listen on (0 = any free port).") -> A
     return typer.Option("--port", help=default_help)
 
 
+def _check_port_free(host: str, port: int, option: str) -> None:
+    if processes.port_in_use(host, port):
+        raise fail(f"{host}:{port} is already in use (another `specdec up` or service?); choose another "
+                   f"{option}, or 0 for any free port")
+
+
 def _setup_logging(level: str) -> None:
     import logging
 
@@ -241,11 +256,37 @@ def _write_ready(ready_file: Path | None, host: str, port: int, **extra: Any) ->
                                                 "port": port, "pid": os.getpid(), **extra})
 
 
+@dataclass
+class ObservabilityOptions:
+    """--trace-file / --otlp-endpoint / --metrics-port / --metrics-host as given on the command line."""
+
+    trace_file: Path | None = None
+    otlp_endpoint: str | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
+    def setup(self, role: str):
+        """Tracing and metrics of this process (orchestrator.observability_cli); CliError when it fails."""
+        try:
+            return observability_cli.setup_observability(
+                role, trace_file=self.trace_file, otlp_endpoint=self.otlp_endpoint,
+                metrics_port=self.metrics_port, metrics_host=self.metrics_host)
+        except (OSError, ValueError) as exc:
+            raise CliError(f"{role}: {exc}") from None
+
+    def child_args(self, role: str) -> list[str]:
+        """What `up` passes on to its `serve ROLE` child (metrics ports: orchestrator P, drafter P+1, …)."""
+        return observability_cli.child_args(
+            role, trace_file=self.trace_file, otlp_endpoint=self.otlp_endpoint,
+            metrics_port=self.metrics_port, metrics_host=self.metrics_host)
+
+
 def _serve_engine(role: str, model: str, host: str, port: int, device: str, dtype: str, threads: int | None,
                   cores: str | None, max_message_mb: float, max_sessions: int, session_ttl: float,
-                  ready_file: Path | None, log_level: str) -> None:
+                  ready_file: Path | None, log_level: str, observability: ObservabilityOptions) -> None:
     _setup_logging(log_level)
     core_list = _parse_cores(cores, "--cores")
+    _check_port_free(host, port, "--port")
     try:
         if core_list is not None:
             processes.pin_current_process(core_list)  # before torch starts its thread pool
@@ -265,25 +306,34 @@ def _serve_engine(role: str, model: str, host: str, port: int, device: str, dtyp
             from specdec.engine.verifier import VerifierEngine as Engine
             from verifier_service.server import start_verifier_server as start_server
         engine = Engine(loaded, sessions)
+        obs = observability.setup(role)
+        obs.watch_engine(engine)
     except CliError as exc:
         raise fail(str(exc)) from None
-    except (ProcessError, ValueError, OSError, RuntimeError) as exc:
+    except (ProcessError, ValueError, OSError, RuntimeError, AssertionError) as exc:  # e.g. no such device
         raise fail(f"{role}: {exc}") from None
 
     async def main() -> None:
         from proto.grpc_support import serve_until_signal
 
-        server, bound = await start_server(engine, host, port, max_message_mb=max_message_mb)
+        server, bound = await start_server(engine, host, port, max_message_mb=max_message_mb,
+                                           interceptors=obs.server_interceptors,
+                                           observers=obs.service_observers)
         info = loaded.info
-        _write_ready(ready_file, host, bound, role=role, model_id=info.model_id, vocab_size=info.vocab_size)
+        _write_ready(ready_file, host, bound, role=role, model_id=info.model_id, vocab_size=info.vocab_size,
+                     **obs.ready_info())
         err.print(f"{role} serving {escape(info.model_id)} (vocab {info.vocab_size}, {info.device}) on "
                   f"{_connect_address(host, bound)}")
+        if obs.metrics_server is not None:
+            err.print(f"{role} metrics on {obs.metrics_server.url}")
         await serve_until_signal(server)
 
     try:
         asyncio.run(main())
     except OSError as exc:  # port in use
         raise fail(f"{role}: {exc}") from None
+    finally:
+        obs.shutdown()  # flush spans, stop /metrics
     _exit_now(0)
 
 
@@ -301,10 +351,15 @@ def serve_drafter(
     session_ttl: SessionTtlOpt = 600.0,
     ready_file: ReadyFileOpt = None,
     log_level: LogLevelOpt = "info",
+    trace_file: TraceFileOpt = None,
+    otlp_endpoint: OtlpEndpointOpt = None,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "127.0.0.1",
 ) -> None:
     """Serve the draft model (DrafterService + gRPC health) until Ctrl-C / SIGTERM."""
     _serve_engine("drafter", model, host, port, device, dtype, threads, cores, max_message_mb, max_sessions,
-                  session_ttl, ready_file, log_level)
+                  session_ttl, ready_file, log_level,
+                  ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host))
 
 
 @serve_app.command("verifier")
@@ -321,10 +376,15 @@ def serve_verifier(
     session_ttl: SessionTtlOpt = 600.0,
     ready_file: ReadyFileOpt = None,
     log_level: LogLevelOpt = "info",
+    trace_file: TraceFileOpt = None,
+    otlp_endpoint: OtlpEndpointOpt = None,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "127.0.0.1",
 ) -> None:
     """Serve the target model (VerifierService + gRPC health) until Ctrl-C / SIGTERM."""
     _serve_engine("verifier", model, host, port, device, dtype, threads, cores, max_message_mb, max_sessions,
-                  session_ttl, ready_file, log_level)
+                  session_ttl, ready_file, log_level,
+                  ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host))
 
 
 def orchestrator_config(default_method: str | None = None, default_k: int | None = None,
@@ -368,6 +428,10 @@ def serve_orchestrator(
         "--peer-timeout", help="Seconds to wait at startup for the verifier to answer.")] = 60.0,
     ready_file: ReadyFileOpt = None,
     log_level: LogLevelOpt = "info",
+    trace_file: TraceFileOpt = None,
+    otlp_endpoint: OtlpEndpointOpt = None,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "127.0.0.1",
 ) -> None:
     """Serve the public GenerationService over a drafter and a verifier until Ctrl-C / SIGTERM.
 
@@ -378,6 +442,9 @@ def serve_orchestrator(
     _setup_logging(log_level)
     try:
         config = orchestrator_config(default_method, default_k, default_a, store_url)
+        _check_port_free(host, port, "--port")
+        observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
+        obs = observability.setup("orchestrator")
     except CliError as exc:
         raise fail(str(exc)) from None
 
@@ -388,8 +455,10 @@ def serve_orchestrator(
         from orchestrator.speculation import Orchestrator
         from proto.grpc_support import serve_until_signal
 
-        orchestrator = Orchestrator(GrpcDrafterClient(drafter, max_message_mb=max_message_mb),
-                                    GrpcVerifierClient(verifier, max_message_mb=max_message_mb), config)
+        client_options = {"max_message_mb": max_message_mb, "interceptors": obs.client_interceptors}
+        orchestrator = Orchestrator(GrpcDrafterClient(drafter, **client_options),
+                                    GrpcVerifierClient(verifier, **client_options), config,
+                                    observer=obs.loop_observer)
         try:
             deadline = time.monotonic() + peer_timeout
             while True:
@@ -401,12 +470,16 @@ def serve_orchestrator(
                         raise
                     await asyncio.sleep(0.5)
             server, bound = await start_orchestrator_server(orchestrator, host, port,
-                                                            max_message_mb=max_message_mb)
-            _write_ready(ready_file, host, bound, role="orchestrator", drafter=drafter, verifier=verifier)
+                                                            max_message_mb=max_message_mb,
+                                                            interceptors=obs.server_interceptors)
+            _write_ready(ready_file, host, bound, role="orchestrator", drafter=drafter, verifier=verifier,
+                         **obs.ready_info())
             draft_id = orchestrator.draft_info.model_id if orchestrator.draft_info else "(drafter down)"
             target_id = orchestrator.target_info.model_id
             err.print(f"orchestrator serving {escape(draft_id)} → {escape(target_id)} on "
                       f"{_connect_address(host, bound)}")
+            if obs.metrics_server is not None:
+                err.print(f"orchestrator metrics on {obs.metrics_server.url}")
             await serve_until_signal(server)
         finally:
             await orchestrator.close()
@@ -414,7 +487,10 @@ def serve_orchestrator(
     from specdec.engine.api import InvalidRequest
 
     try:
-        asyncio.run(main())
+        try:
+            asyncio.run(main())
+        finally:
+            obs.shutdown()  # flush spans, stop /metrics
         _exit_now(0)
     except InvalidRequest as exc:  # the pair is refused (vocabulary / tokenizer mismatch)
         raise fail(f"orchestrator refuses to start: {exc}") from None
@@ -480,6 +556,12 @@ def up(
     log_dir: Annotated[Path | None, typer.Option(
         "--log-dir", help="Folder for the services' logs. Default: a new temporary folder.",
         show_default=False)] = None,
+    trace_file: TraceFileOpt = None,
+    otlp_endpoint: OtlpEndpointOpt = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", help="Prometheus /metrics of the orchestrator on this port, the drafter on +1, the "
+        "verifier on +2 (0 = any free ports). Default: no metrics endpoints.", show_default=False)] = None,
+    metrics_host: MetricsHostOpt = "127.0.0.1",
 ) -> None:
     """Start drafter, verifier and orchestrator as three processes on this machine; stop them on Ctrl-C.
 
@@ -487,6 +569,9 @@ def up(
     check before the next step. Ctrl-C / SIGTERM stops all three; if one dies, the others are
     stopped and the exit code is 1.
     """
+    for option, value in (("--port", port), ("--drafter-port", drafter_port),
+                          ("--verifier-port", verifier_port)):
+        _check_port_free(host, value, option)
     try:
         draft_path = resolve_model(draft, "draft")
         target_path = resolve_model(target, "target")
@@ -500,6 +585,7 @@ def up(
         d_cores = _parse_cores(drafter_cores, "--drafter-cores") or d_default
         v_cores = _parse_cores(verifier_cores, "--verifier-cores") or v_default
 
+    observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
     supervisor = processes.Supervisor(log_dir)
     supervisor.install_signal_handlers()
     common = ["--host", host, "--dtype", dtype, "--max-message-mb", str(max_message_mb),
@@ -511,6 +597,7 @@ def up(
             args += ["--cores", processes.format_cores(cores)]
         if threads is not None:
             args += ["--threads", str(threads)]
+        args += observability.child_args(role)
         return supervisor.start(supervisor.child(role, args, cores))
 
     exit_code = 0
@@ -529,15 +616,17 @@ def up(
                                 ("--store-url", store_url)):
                 if value is not None:
                     args += [flag, str(value)]
+            args += observability.child_args("orchestrator")
             orch = supervisor.start(supervisor.child("orchestrator", args))
             processes.wait_ready(orch, startup_timeout, abort=supervisor.stop_requested)
             err.print(f"[green]✓[/] orchestrator healthy on {orch.address}")
-        _print_pipeline(supervisor, {"drafter": draft, "verifier": target})
+        metrics = {c.name: c.info["metrics_url"] for c in supervisor.children if c.info.get("metrics_url")}
+        _print_pipeline(supervisor, {"drafter": draft, "verifier": target}, metrics, trace_file)
         if ready_file is not None:
             processes.write_ready_file(ready_file, {
                 "orchestrator": orch.address, "drafter": drafter.address, "verifier": verifier.address,
                 "log_dir": str(supervisor.log_dir), "pids": {c.name: c.pid for c in supervisor.children},
-                "pid": os.getpid(),
+                "pid": os.getpid(), "metrics": metrics,
             })
         dead = supervisor.watch()
         if dead is not None:
@@ -562,7 +651,8 @@ def up(
     raise typer.Exit(exit_code)
 
 
-def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str]) -> None:
+def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str], metrics: dict[str, str],
+                    trace_file: Path | None) -> None:
     table = Table(title="specdec pipeline")
     for column in ("service", "address", "pid", "cores"):
         table.add_column(column, no_wrap=True)
@@ -572,6 +662,10 @@ def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str]) ->
                       models.get(child.name, ""))
     err.print(table)
     err.print(f"logs: {supervisor.log_dir}")
+    for name, url in metrics.items():
+        err.print(f"metrics of the {name}: {url}")
+    if trace_file is not None:
+        err.print(f"spans: {trace_file} (a timeline: specdec trace-report {trace_file})")
     orch = supervisor.children[-1].address
     flag = "" if orch == DEFAULT_ORCHESTRATOR_ADDRESS else f" --address {orch}"
     err.print(f"try:  specdec generate{flag} \"def quicksort\"")
@@ -612,7 +706,8 @@ def _stats_line(result) -> str:
     return line + f" · finish {result.finish_reason} · seed {result.seed}"
 
 
-async def _inprocess_orchestrator(draft: str, target: str, device: str, dtype: str, threads: int | None):
+async def _inprocess_orchestrator(draft: str, target: str, device: str, dtype: str, threads: int | None,
+                                  observer: Any = None):
     """Both engines in this process behind the in-process transport (the same code path, no network)."""
     from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
     from orchestrator.speculation import Orchestrator
@@ -623,11 +718,18 @@ async def _inprocess_orchestrator(draft: str, target: str, device: str, dtype: s
     draft_path = resolve_model(draft, "draft")
     target_path = resolve_model(target, "target")
     _quiet_transformers()
+    async def load(role: str, path: Path):
+        try:
+            return await asyncio.to_thread(load_model, path, device, dtype, threads)
+        except (OSError, ValueError, RuntimeError, AssertionError) as exc:  # bad folder, dtype, device
+            raise CliError(f"{role} model {path}: {exc}") from None
+
     with err.status("loading the models …"):
-        draft_model = await asyncio.to_thread(load_model, draft_path, device, dtype, threads)
-        target_model = await asyncio.to_thread(load_model, target_path, device, dtype, threads)
+        draft_model = await load("draft", draft_path)
+        target_model = await load("target", target_path)
     orchestrator = Orchestrator(InProcessDrafterClient(DrafterEngine(draft_model)),
-                                InProcessVerifierClient(VerifierEngine(target_model)), orchestrator_config())
+                                InProcessVerifierClient(VerifierEngine(target_model)), orchestrator_config(),
+                                observer=observer)
     try:
         await orchestrator.start()
     except BaseException:
@@ -690,6 +792,8 @@ def generate(
     stream: Annotated[bool, typer.Option("--stream", help="Print the text as it is generated.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds one request may take (server mode).")] =
         600.0,
+    trace_file: TraceFileOpt = None,
+    otlp_endpoint: OtlpEndpointOpt = None,
 ) -> None:
     """Generate a continuation of a prompt, from a running orchestrator or in-process.
 
@@ -714,7 +818,8 @@ def generate(
             device=device, dtype=dtype, threads=threads, method=method, k=k, tree_budget=tree_budget, a=a,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
             stop=stop or [],
-            ignore_eos=ignore_eos, num_samples=num_samples, as_json=as_json, stream=stream, timeout=timeout))
+            ignore_eos=ignore_eos, num_samples=num_samples, as_json=as_json, stream=stream, timeout=timeout,
+            observability=ObservabilityOptions(trace_file, otlp_endpoint)))
     except KeyboardInterrupt:
         raise fail("interrupted", 130) from None
     _exit_now(code)
@@ -724,21 +829,23 @@ def generate(
 async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype, threads, method, k,
                     tree_budget, a,
                     temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos, num_samples, as_json,
-                    stream, timeout) -> int:
+                    stream, timeout, observability: ObservabilityOptions) -> int:
     """Run the samples; returns the exit code (errors are printed here as one line)."""
     from orchestrator.api import GenerationRequest
     from specdec.sampling import SamplingParams
 
-    client = None
+    client = obs = None
     try:
         try:
             sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            obs = observability.setup("generate")
             if draft is not None:
-                client = await _inprocess_orchestrator(draft, target, device, dtype, threads)
+                client = await _inprocess_orchestrator(draft, target, device, dtype, threads,
+                                                       obs.loop_observer)
             else:
                 from orchestrator.clients.grpc_client import GenerationClient
 
-                client = GenerationClient(address, timeout_s=timeout)
+                client = GenerationClient(address, timeout_s=timeout, interceptors=obs.client_interceptors)
             for sample in range(num_samples):
                 request = GenerationRequest(
                     prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -758,6 +865,8 @@ async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype
         finally:
             if client is not None:
                 await client.close()
+            if obs is not None:
+                obs.shutdown()  # flush spans
     except CliError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}")
         return 1
@@ -809,6 +918,9 @@ def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+observability_cli.register_commands(app)  # specdec trace-report, trace-collect (listed after up/generate)
 
 
 def main() -> None:

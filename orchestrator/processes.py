@@ -115,6 +115,23 @@ def read_ready_file(path: str | Path) -> dict | None:
         return None
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether host:port is taken. gRPC binds with SO_REUSEPORT, so a second server on a busy port
+    would start "fine" and silently share its traffic; a plain bind without that flag tells."""
+    import socket
+
+    if port == 0:
+        return False
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # ignore TIME_WAIT leftovers of a restart
+        try:
+            sock.bind((host.strip("[]"), port))
+        except OSError:
+            return True
+    return False
+
+
 def check_health(address: str, timeout: float = 1.0, service: str = "") -> str:
     """One gRPC health Check → status name ('SERVING', …); raises grpc.RpcError when unreachable."""
     import grpc
@@ -186,6 +203,7 @@ class Child:
     cores: list[int] | None = None
     process: subprocess.Popen | None = None
     address: str | None = None
+    info: dict = field(default_factory=dict)  # the child's ready file (address, pid, metrics_url, …)
     _log_handle: object | None = field(default=None, repr=False)
 
     @property
@@ -198,9 +216,12 @@ class Child:
     def returncode(self) -> int | None:
         return self.process.poll() if self.process else None
 
-    def log_tail(self, lines: int = 15) -> str:
+    def log_tail(self, lines: int = 15, max_bytes: int = 16384) -> str:
+        """The last lines of the child's log (read from its end: logs of long runs grow)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as handle:
+                handle.seek(max(0, handle.seek(0, os.SEEK_END) - max_bytes))
+                text = handle.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
         return "\n".join(text.rstrip().splitlines()[-lines:])
@@ -255,6 +276,7 @@ def wait_ready(child: Child, timeout: float, abort: threading.Event | None = Non
         payload = read_ready_file(child.ready_file)
         if payload and payload.get("address"):
             child.address = str(payload["address"])
+            child.info = payload
             break
         if not child.alive():
             raise ProcessError(describe_exit(child))

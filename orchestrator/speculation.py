@@ -99,6 +99,7 @@ class _Run:
     text_sent: int = 0
     perf0: float = field(default_factory=time.perf_counter)
     epoch0: float = field(default_factory=time.time)
+    probe: Any = None  # the observer's RequestProbe of this run (tracing, metrics), if any
 
     @property
     def committed(self) -> list[int]:
@@ -125,16 +126,26 @@ class _Run:
 class _Timeline:
     """Real start/end of every drafter and verifier call of one iteration."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: Any = None) -> None:
         self.draft: list[tuple[float, float]] = []
         self.verify: list[tuple[float, float]] = []
+        self.probe = probe  # the observer's IterationProbe (a span per call), if any
 
-    async def timed(self, kind: str, call: Awaitable[T]) -> T:
+    async def timed(self, kind: str, call: Awaitable[T], op: str | None = None) -> T:
+        probe = self.probe
         start = time.perf_counter()
+        token = probe.call_started(kind, op or kind, start) if probe is not None else None
+        error: BaseException | None = None
         try:
             return await call
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            (self.draft if kind == "draft" else self.verify).append((start, time.perf_counter()))
+            end = time.perf_counter()
+            (self.draft if kind == "draft" else self.verify).append((start, end))
+            if probe is not None:
+                probe.call_finished(token, end, error)
 
     def draft_seconds(self) -> float:
         return sum(end - start for start, end in self.draft)
@@ -149,8 +160,9 @@ class _Timeline:
 class Orchestrator:
     """Generation over one drafter (None = target only) and one verifier.
 
-    on_iteration, if given, is called with every IterationRecord as soon as it is complete
-    (tracing and metrics hook in there); the records are also on GenerationResult.iterations.
+    on_iteration, if given, is called with every IterationRecord as soon as it is complete;
+    the records are also on GenerationResult.iterations. observer, if given, is a
+    orchestrator.tracing.LoopObserver (spans and metrics of requests, iterations and calls).
     """
 
     def __init__(
@@ -160,6 +172,7 @@ class Orchestrator:
         config: OrchestratorConfig | None = None,
         store: Store | None = None,
         on_iteration: Callable[[IterationRecord], None] | None = None,
+        observer: Any = None,
     ) -> None:
         self.drafter = drafter
         self.verifier = verifier
@@ -168,6 +181,7 @@ class Orchestrator:
             store = open_store(self.config.store_url, self.config.request_ttl_seconds)
         self.store = store
         self.on_iteration = on_iteration
+        self.observer = observer
         self.target_info: ModelInfo | None = None
         self.draft_info: ModelInfo | None = None
         self._drafter_retry_at = 0.0  # monotonic time before which the drafter is not tried
@@ -366,6 +380,9 @@ class Orchestrator:
         orchestrator that dies) leaves it "running" with everything produced so far: resumable.
         """
         seconds_before = run.stats.seconds
+        error: BaseException | None = None
+        if self.observer is not None:
+            run.probe = self._observe_start(run)
         try:
             if self._context_full(run):  # e.g. a resumed request that already filled the window
                 run.finish_reason = "length"
@@ -385,6 +402,7 @@ class Orchestrator:
                 if final:
                     return
         except Exception as exc:
+            error = exc
             try:
                 await self._save(run, "failed", error=f"{type(exc).__name__}: {exc}")
             except Exception:  # the store may be what failed
@@ -392,6 +410,26 @@ class Orchestrator:
             raise
         finally:
             await self._finish_run(run)
+            if run.probe is not None:
+                self._observe_end(run, error)
+
+    def _observe_start(self, run: _Run) -> Any:
+        try:
+            return self.observer.request_started(run.request_id, run.epoch, {
+                "method": run.method, "k": run.k, "a": run.a, "tree_budget": run.tree_budget,
+                "max_new_tokens": run.max_new_tokens, "prompt_tokens": len(run.prompt_ids),
+                "resumed_tokens": len(run.generated), "seed": run.seed, "session_id": run.session_id,
+                "temperature": run.sampling.temperature,
+            })
+        except Exception:  # observability never fails a request
+            log.exception("observer failed at the start of request %s", run.request_id)
+            return None
+
+    def _observe_end(self, run: _Run, error: BaseException | None) -> None:
+        try:
+            run.probe.finished(self._result(run) if error is None and run.finish_reason else None, error)
+        except Exception:
+            log.exception("observer failed at the end of request %s", run.request_id)
 
     async def _finish_run(self, run: _Run) -> None:
         for client in (self.drafter, self.verifier):
@@ -428,10 +466,19 @@ class Orchestrator:
         return max(0, min(caps))
 
     async def _iteration(self, run: _Run) -> None:
+        if run.probe is None:
+            await self._iterate(run, None)
+            return
+        started = time.perf_counter()
+        with run.probe.iteration(run.stats.iterations, started) as probe:  # its span is current inside
+            await self._iterate(run, probe, started)
+
+    async def _iterate(self, run: _Run, probe: Any, started: float | None = None) -> None:
         committed = run.committed
         position = len(committed)
-        timeline = _Timeline()
-        started = time.perf_counter()
+        timeline = _Timeline(probe)
+        if started is None:
+            started = time.perf_counter()
         record = IterationRecord(request_id=run.request_id, index=run.stats.iterations, position=position,
                                  method=run.method, a=run.a)
         depth_cap = self._depth_cap(position)
@@ -471,6 +518,11 @@ class Orchestrator:
                 self.on_iteration(record)
             except Exception:
                 log.exception("on_iteration callback failed")
+        if probe is not None:
+            try:
+                probe.finished(record, tree.max_depth)
+            except Exception:
+                log.exception("observer failed at the end of an iteration")
 
     async def _speculate(
         self, run: _Run, committed: list[int], depth_cap: int, timeline: _Timeline, record: IterationRecord
@@ -574,7 +626,7 @@ class Orchestrator:
                 tree_parents=list(tree.parents), sampling=run.sampling,
             ))
 
-        await timeline.timed("verify", self._session_call(run, "verifier_mirror", committed, call))
+        await timeline.timed("verify", self._session_call(run, "verifier_mirror", committed, call), "score")
 
     async def _verify(
         self, run: _Run, committed: list[int], tree: DraftTree, method: str, params: MethodParams,

@@ -20,6 +20,7 @@ import contextvars
 import functools
 import logging
 import signal
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -130,6 +131,45 @@ async def run_blocking(executor: Executor | None, fn: Callable[..., T], *args: A
     return await loop.run_in_executor(executor, call)
 
 
+async def run_observed(
+    executor: Executor | None, observers: Sequence[Any], rpc: str, request: Any, fn: Callable[..., T],
+    *args: Any,
+) -> T:
+    """run_blocking, then tell each observer (tracing, metrics) what the engine call did.
+
+    observer.observe(rpc, request, result, error, start_ns, end_ns) gets the real start/end
+    of the call in its worker thread (time.time_ns); it runs on the event loop, in the
+    handler's context (the server span of the call is current there).
+    """
+    if not observers:
+        return await run_blocking(executor, fn, *args)
+    times = [0, 0]
+
+    def timed() -> T:
+        times[0] = time.time_ns()
+        try:
+            return fn(*args)
+        finally:
+            times[1] = time.time_ns()
+
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        result = await run_blocking(executor, timed)
+        return result
+    except BaseException as exc:  # cancellation included: the caller gave up
+        error = exc
+        raise
+    finally:
+        now = time.time_ns()
+        start, end = times[0] or now, times[1] or now
+        for observer in observers:
+            try:
+                observer.observe(rpc, request, result, error, start, end)
+            except Exception:  # observability never fails a call
+                log.exception("observer %r failed on %s", observer, rpc)
+
+
 _ON_STOP: WeakKeyDictionary[grpc.aio.Server, list[Callable[[], None]]] = WeakKeyDictionary()
 _HEALTH: WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = WeakKeyDictionary()
 
@@ -153,7 +193,8 @@ async def start_server(
     """
     server = grpc.aio.server(
         interceptors=list(interceptors),
-        options=[*message_options(max_message_mb), *options],
+        # No SO_REUSEPORT: a second server on a busy port must fail, not silently share it.
+        options=[*message_options(max_message_mb), ("grpc.so_reuseport", 0), *options],
     )
     register(server)
     health_servicer = health.aio.HealthServicer()

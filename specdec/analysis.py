@@ -683,6 +683,8 @@ def analyze_rows(
             "best_k_timed": k_timed,
             "speedup_timed": s_timed,
             "expected_tokens": theory.expected_tokens_per_iteration(alpha, k_best),
+            # False: with the measured verifier cost T_p(k+1) no draft length beats the target alone
+            "pays_timed": bool(s_timed > 1.0),
         },
         "tree": {kind: _best_tree(analysis, kind, max_budget) for kind in ("gsd", "ersd")},
         "rd": {

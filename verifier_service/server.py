@@ -8,7 +8,7 @@ other sessions. Errors map to status codes as documented in proto/grpc_support.p
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -19,6 +19,7 @@ from proto.grpc_support import (
     DEFAULT_MAX_MESSAGE_MB,
     guarded,
     run_blocking,
+    run_observed,
     serve_until_signal,
     start_engine_server,
 )
@@ -30,9 +31,11 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, engine: Any, executor: Executor | None = None) -> None:
+    def __init__(self, engine: Any, executor: Executor | None = None, observers: Sequence[Any] = ()) -> None:
         self.engine = engine
         self.executor = executor
+        # Told about every engine call (orchestrator.tracing.ServiceObserver: spans, metrics).
+        self.observers = tuple(observers)
 
     @guarded
     async def Info(self, request: common_pb2.InfoRequest, context) -> common_pb2.ModelInfo:
@@ -41,13 +44,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     @guarded
     async def Score(self, request: verifier_pb2.ScoreRequest, context) -> verifier_pb2.ScoreResponse:
         req = convert.score_request_from_proto(request)
-        await run_blocking(self.executor, self.engine.score, req)
+        await run_observed(self.executor, self.observers, "Score", req, self.engine.score, req)
         return verifier_pb2.ScoreResponse()
 
     @guarded
     async def Verify(self, request: verifier_pb2.VerifyRequest, context) -> verifier_pb2.VerifyOutcome:
         req = convert.verify_request_from_proto(request)
-        outcome = await run_blocking(self.executor, self.engine.verify, req)
+        outcome = await run_observed(self.executor, self.observers, "Verify", req, self.engine.verify, req)
         return convert.verify_outcome_to_proto(outcome)
 
     @guarded
@@ -74,15 +77,17 @@ async def start_verifier_server(
     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     max_workers: int = 1,
+    observers: Sequence[Any] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """Start a VerifierService (+ health, reflection) for `engine`; returns (server, bound port).
 
     max_workers: threads running engine calls. 1 serialises them (safe for any engine); raise it
     only for an engine that is thread-safe across sessions. Stop with
     proto.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
+    observers: told about every engine call (tracing spans, metrics); see proto.grpc_support.run_observed.
     """
     return await start_engine_server(
-        lambda executor: VerifierServicer(engine, executor),
+        lambda executor: VerifierServicer(engine, executor, observers),
         verifier_pb2_grpc.add_VerifierServiceServicer_to_server,
         SERVICE_NAME,
         host,

@@ -6,29 +6,40 @@ Runs the typer app in-process (CliRunner): no model, no server, a fraction of a 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 
-import click
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from orchestrator import cli
 
-COMMANDS = [
-    [],
-    ["models"],
-    ["models", "install"],
-    ["models", "list"],
-    ["serve"],
-    ["serve", "drafter"],
-    ["serve", "verifier"],
-    ["serve", "orchestrator"],
-    ["up"],
-    ["generate"],
-]
+from .support import cli_env
 
 
-def _command(path: list[str]) -> click.Command:
+# typer ships its own copy of click: check by duck type, not against the click package's classes.
+def _is_group(command) -> bool:
+    return hasattr(command, "commands")
+
+
+def _is_option(param) -> bool:
+    return param.param_type_name == "option"
+
+
+def _all_commands(command, path: list[str]) -> list[list[str]]:
+    """Every command and group of the app (the ones mounted from other modules included)."""
+    found = [path]
+    if _is_group(command):
+        for name, sub in command.commands.items():
+            found += _all_commands(sub, [*path, name])
+    return found
+
+
+COMMANDS = _all_commands(typer.main.get_command(cli.app), [])
+
+
+def _command(path: list[str]):
     command = typer.main.get_command(cli.app)
     for name in path:
         command = command.commands[name]
@@ -47,12 +58,12 @@ def test_help_mentions_every_option(path: list[str]) -> None:
     command = _command(path)
     assert command.help, f"{path} has no help text"
     for param in command.params:
-        if isinstance(param, click.Option):
+        if _is_option(param):
             for opt in param.opts:
                 pattern = rf"(?<![\w-]){re.escape(opt)}(?![\w-])"
                 assert re.search(pattern, text), f"{opt} missing from {path} --help"
             assert param.help, f"{param.opts[0]} of {path} has no help"
-    if isinstance(command, click.Group):
+    if _is_group(command):
         for name in command.commands:
             assert name in text
 
@@ -61,9 +72,15 @@ def test_help_mentions_every_option(path: list[str]) -> None:
 def test_help_shows_defaults(path: list[str]) -> None:
     text = _help(path)
     for param in _command(path).params:
-        if isinstance(param, click.Option) and param.show_default is not False and not param.is_flag \
+        if _is_option(param) and param.show_default is not False and not param.is_flag \
                 and param.default is not None:
             assert f"[default: {param.default}]" in text, f"{param.opts[0]} default missing ({path})"
+
+
+def test_the_main_commands_are_there() -> None:
+    for path in (["up"], ["generate"], ["models", "install"], ["models", "list"], ["serve", "drafter"],
+                 ["serve", "verifier"], ["serve", "orchestrator"]):
+        assert path in COMMANDS
 
 
 def test_generate_help_names_methods_and_default_address() -> None:
@@ -118,3 +135,18 @@ def test_models_list_and_install_without_a_network(tmp_path, monkeypatch) -> Non
     assert {row["role"] for row in rows} >= {"default draft", "default target"}
     result = CliRunner().invoke(cli.app, ["models", "install", "no-such-model"])
     assert result.exit_code == 2 and "unknown model" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("specdec") is None, reason="installed by `pip install -e .`")
+def test_console_script_runs() -> None:
+    result = subprocess.run(["specdec", "generate", "--help"], capture_output=True, text=True, timeout=60,
+                            env=cli_env())
+    assert result.returncode == 0 and "--max-new-tokens" in result.stdout
+
+
+def test_generate_with_a_missing_model_is_one_line(tmp_path) -> None:
+    result = CliRunner().invoke(cli.app, ["generate", "--draft", str(tmp_path / "nope"), "--target",
+                                          str(tmp_path / "nope"), "t1"], env={"COLUMNS": "220"})
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1 and "no such file or directory" in result.stderr
+    assert "Traceback" not in result.output

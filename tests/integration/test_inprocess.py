@@ -22,16 +22,22 @@ def _check(lines: list[dict]) -> None:
     assert len({tuple(line["token_ids"]) for line in lines}) > 1  # different seeds, different samples
 
 
-def test_inprocess_samples_are_reproducible(tiny_models) -> None:
+def test_inprocess_samples_are_reproducible(tiny_models, tmp_path) -> None:
+    trace_file = tmp_path / "spans.jsonl"
     models = ("--draft", str(tiny_models.draft), "--target", str(tiny_models.target))
     result = run_cli("generate", *models, *ARGS)  # the real program, as a user runs it
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     first = json_lines(result.stdout)
     _check(first)
-    again = invoke_cli("generate", *models, *ARGS)  # the same command again (in this process: cheaper)
+    # The same command again (in this process: cheaper), this time with its spans in a trace file.
+    again = invoke_cli("generate", *models, *ARGS[:-1], "--trace-file", str(trace_file), ARGS[-1])
     assert again.exit_code == 0, again.output
     assert [line["token_ids"] for line in json_lines(again.stdout)] == [line["token_ids"] for line in first]
+    from orchestrator.tracing import read_spans
+
+    requests = [s for s in read_spans(trace_file) if s["name"] == "specdec.request"]
+    assert len(requests) == 3 and {s["service"] for s in requests} == {"specdec-generate"}
 
 
 def test_inprocess_refuses_a_vocabulary_mismatch(tiny_models) -> None:

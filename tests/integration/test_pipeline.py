@@ -25,8 +25,10 @@ RPC_TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_models, tmp_path_factory):
-    up = UpProcess(tmp_path_factory.mktemp("up"), "--draft", str(tiny_models.draft),
-                   "--target", str(tiny_models.target))
+    workdir = tmp_path_factory.mktemp("up")
+    up = UpProcess(workdir, "--draft", str(tiny_models.draft), "--target", str(tiny_models.target),
+                   "--trace-file", str(workdir / "spans.jsonl"), "--metrics-port", "0")
+    up.trace_file = workdir / "spans.jsonl"
     try:
         up.wait_ready()
         yield up
@@ -148,6 +150,18 @@ def test_cli_prints_one_line_errors(pipeline) -> None:
     assert result.exit_code == 1 and "INVALID_ARGUMENT" in result.stderr and "temperature" in result.stderr
 
 
+def test_every_service_serves_metrics(pipeline) -> None:
+    import urllib.request
+
+    metrics = pipeline.info["metrics"]
+    assert set(metrics) == {"drafter", "verifier", "orchestrator"}
+    for name, url in metrics.items():
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            assert reply.status == 200, name
+            assert b"specdec" in reply.read(), name
+        assert url in pipeline.stderr()
+
+
 def test_sigterm_stops_every_process(pipeline) -> None:
     children = list(pipeline.info["pids"].values())
     pipeline.process.send_signal(signal.SIGTERM)
@@ -155,3 +169,9 @@ def test_sigterm_stops_every_process(pipeline) -> None:
     assert wait_gone(children, 10) == [], "children survived `specdec up`"
     assert not pipeline.ready_file.exists()
     assert "all services stopped" in pipeline.stderr()
+    # The services flushed their spans on the way out; all three wrote to the one trace file.
+    from orchestrator.tracing import read_spans
+
+    spans = read_spans(pipeline.trace_file)
+    assert {"specdec-orchestrator", "specdec-drafter", "specdec-verifier"} <= {s["service"] for s in spans}
+    assert any(s["name"] == "specdec.iteration" for s in spans)

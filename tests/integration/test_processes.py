@@ -18,7 +18,7 @@ import pytest
 from orchestrator import processes
 from orchestrator.processes import Child, ProcessError, Supervisor
 
-from .support import pid_alive, wait_gone
+from .support import invoke_cli, pid_alive, wait_gone
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 STUBBORN = [sys.executable, "-c", textwrap.dedent("""
@@ -161,3 +161,20 @@ def test_wait_healthy_is_bounded_and_checks_the_real_health_service(tmp_path) ->
         processes.wait_healthy(f"127.0.0.1:{port}", timeout=10.0)
     finally:
         server.stop(None)
+
+
+def test_port_in_use_sees_a_grpc_listener() -> None:
+    """gRPC binds with SO_REUSEPORT: a second server would bind the same port without an error."""
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert processes.port_in_use("127.0.0.1", port)
+        assert not processes.port_in_use("127.0.0.1", 0)
+
+        result = invoke_cli("up", "--port", str(port), "--drafter-port", "0", "--verifier-port", "0")
+        assert result.exit_code == 1
+        assert f"127.0.0.1:{port} is already in use" in result.stderr and "--port" in result.stderr
+    finally:
+        server.stop(None)
+    assert not processes.port_in_use("127.0.0.1", port)

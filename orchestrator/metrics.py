@@ -1,0 +1,355 @@
+"""Prometheus metrics of the orchestrator loop and of the engine services (prometheus-client).
+
+Orchestrator (OrchestratorMetrics, a LoopObserver: orchestrator.speculation calls it):
+  specdec_requests_total{method,outcome}            finished runs; outcome = finish reason | error | abandoned
+  specdec_active_requests{method}                   runs in progress
+  specdec_request_seconds{method}                   histogram of run wall time
+  specdec_iterations_total{method,drafted}          iterations; method = what ran ("autoregressive"
+                                                    for target-only steps), drafted = true | false
+  specdec_fallback_iterations_total                 target-only because the drafter was down
+  specdec_drafted_tokens_total{method}              draft tokens the verifier checked
+  specdec_accepted_tokens_total{method}             of those, accepted
+  specdec_emitted_tokens_total{method}              tokens that reached the output (→ tokens/s)
+  specdec_position_drafted_total{method,position}   iterations whose draft reached depth position+1
+  specdec_position_accepted_total{method,position}  … and whose accepted path did (acceptance by
+                                                    position = accepted / drafted)
+  specdec_iteration_seconds{method}                 histogram of iteration wall time
+  specdec_draft_call_seconds{method}                histogram of drafter calls, as the loop saw them
+  specdec_verify_call_seconds{method}               histogram of verifier calls (score and verify)
+  specdec_draft_busy_seconds_total{method}          time the drafter was busy
+  specdec_verify_busy_seconds_total{method}         time the verifier was busy
+  specdec_overlap_seconds_total{method}             time both were busy (overlap ratio: / verify busy)
+  specdec_iteration_overlap_ratio{method}           histogram of that ratio per iteration
+Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label role = drafter | verifier):
+  specdec_engine_calls_total{role,rpc,outcome}      Draft / Score / Verify calls; outcome ok |
+                                                    session_gone | invalid | cancelled | error
+  specdec_engine_call_seconds{role,rpc}             histogram of the engine call in its worker thread
+  specdec_forward_seconds{role,rpc}                 histogram of model forward time per call
+  specdec_verification_seconds{method}              histogram of the verification step (verifier)
+  specdec_reused_tokens_total{role}                 committed tokens whose KV entries were reused
+  specdec_active_sessions{role}                     sessions (KV caches) held, read at scrape time
+  specdec_session_evictions_total{role}             sessions dropped by LRU or TTL
+  specdec_session_expirations_total{role}           the TTL part of the evictions
+  specdec_sessions_created_total{role}, specdec_sessions_released_total{role}
+  specdec_score_hits_total, specdec_late_scores_total   verifier: early scores used / too late
+and the process_* collector of prometheus-client. Each server serves its registry on /metrics
+(start_metrics_server). Nothing is recorded when no metrics object is installed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def new_registry(process: bool = True) -> CollectorRegistry:
+    """A registry of our own (not prometheus-client's global one), with the process collector."""
+    registry = CollectorRegistry()
+    if process:
+        ProcessCollector(registry=registry)
+    return registry
+
+
+def _makers(registry: CollectorRegistry) -> tuple[Any, Any, Any]:
+    """counter(name, help, *labels), gauge(...), histogram(..., buckets=LATENCY_BUCKETS) on registry."""
+
+    def counter(name: str, text: str, *labels: str) -> Counter:
+        return Counter(name, text, list(labels), registry=registry)
+
+    def gauge(name: str, text: str, *labels: str) -> Gauge:
+        return Gauge(name, text, list(labels), registry=registry)
+
+    def histogram(name: str, text: str, *labels: str,
+                  buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+        return Histogram(name, text, list(labels), buckets=buckets, registry=registry)
+
+    return counter, gauge, histogram
+
+
+# ============================================================================ orchestrator
+
+
+class OrchestratorMetrics:
+    """LoopObserver recording requests and iterations (pass as Orchestrator(observer=...))."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        counter, gauge, histogram = _makers(registry)
+        self.requests = counter("specdec_requests", "Request runs finished, by method and outcome (finish "
+                                "reason, error or abandoned).", "method", "outcome")
+        self.active_requests = gauge("specdec_active_requests", "Request runs in progress.", "method")
+        self.request_seconds = histogram("specdec_request_seconds", "Wall time of a request run.", "method",
+                                         buckets=REQUEST_BUCKETS)
+        self.iterations = counter("specdec_iterations", "Speculation iterations, by the method that ran and "
+                                  "whether a draft was verified.", "method", "drafted")
+        self.fallback_iterations = counter("specdec_fallback_iterations", "Target-only iterations run "
+                                           "because the drafter was unavailable.")
+        self.drafted_tokens = counter("specdec_drafted_tokens", "Draft tokens checked by the verifier.",
+                                      "method")
+        self.accepted_tokens = counter("specdec_accepted_tokens", "Draft tokens accepted.", "method")
+        self.emitted_tokens = counter("specdec_emitted_tokens", "Tokens that reached the output.", "method")
+        self.position_drafted = counter("specdec_position_drafted", "Iterations whose draft reached depth "
+                                        "position+1.", "method", "position")
+        self.position_accepted = counter("specdec_position_accepted", "Iterations whose accepted path "
+                                         "reached depth position+1.", "method", "position")
+        self.iteration_seconds = histogram("specdec_iteration_seconds", "Wall time of an iteration.",
+                                           "method")
+        self.draft_call_seconds = histogram("specdec_draft_call_seconds", "Drafter calls as the orchestrator "
+                                            "saw them (network included).", "method")
+        self.verify_call_seconds = histogram("specdec_verify_call_seconds", "Verifier calls (score and "
+                                             "verify) as the orchestrator saw them.", "method")
+        self.draft_busy = counter("specdec_draft_busy_seconds", "Time the drafter was busy.", "method")
+        self.verify_busy = counter("specdec_verify_busy_seconds", "Time the verifier was busy.", "method")
+        self.overlap = counter("specdec_overlap_seconds", "Time drafter and verifier were both busy.",
+                               "method")
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.overlap_ratio = histogram("specdec_iteration_overlap_ratio", "Per iteration: overlap / verifier "
+                                       "busy time.", "method", buckets=RATIO_BUCKETS)
+
+    # LoopObserver
+    def request_started(self, request_id: str, epoch: Callable[[float], float],
+                        attributes: Mapping[str, Any]) -> _RequestMetrics:
+        method = str(attributes.get("method", ""))
+        self.active_requests.labels(method).inc()
+        return _RequestMetrics(self, method)
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """metric.labels(*labels), cached: labels() takes a lock and builds a key on every call."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def record_iteration(self, record: Any, depth: int) -> None:
+        method, child = record.method, self.child
+        draft_s = [e - s for s, e in record.draft_intervals]
+        verify_s = [e - s for s, e in record.verify_intervals]
+        child(self.iterations, method, "true" if record.drafted else "false").inc()
+        if record.fallback:
+            self.fallback_iterations.inc()
+        child(self.emitted_tokens, method).inc(len(record.emitted))
+        child(self.iteration_seconds, method).observe(max(0.0, record.end - record.start))
+        for seconds in draft_s:
+            child(self.draft_call_seconds, method).observe(seconds)
+        for seconds in verify_s:
+            child(self.verify_call_seconds, method).observe(seconds)
+        verify_total = sum(verify_s)
+        child(self.draft_busy, method).inc(sum(draft_s))
+        child(self.verify_busy, method).inc(verify_total)
+        child(self.overlap, method).inc(record.overlap_seconds)
+        if verify_total > 0:
+            child(self.overlap_ratio, method).observe(min(1.0, record.overlap_seconds / verify_total))
+        if record.drafted:
+            child(self.drafted_tokens, method).inc(record.num_drafted)
+            child(self.accepted_tokens, method).inc(record.accepted)
+            for position in range(depth):
+                child(self.position_drafted, method, str(position)).inc()
+            for position in range(min(record.accepted, depth)):
+                child(self.position_accepted, method, str(position)).inc()
+
+
+class _RequestMetrics:
+    def __init__(self, owner: OrchestratorMetrics, method: str) -> None:
+        self.owner = owner
+        self.method = method
+        self.started = time.perf_counter()
+
+    @contextmanager
+    def iteration(self, index: int, start: float) -> Iterator[_IterationMetrics]:
+        yield _IterationMetrics(self.owner)
+
+    def finished(self, result: Any | None, error: BaseException | None) -> None:
+        owner = self.owner
+        owner.active_requests.labels(self.method).dec()
+        if error is not None:
+            outcome = "error"
+        else:
+            outcome = result.finish_reason if result is not None else "abandoned"
+        owner.requests.labels(self.method, outcome).inc()
+        owner.request_seconds.labels(self.method).observe(time.perf_counter() - self.started)
+
+
+class _IterationMetrics:
+    def __init__(self, owner: OrchestratorMetrics) -> None:
+        self.owner = owner
+
+    def call_started(self, kind: str, op: str, start: float) -> None:
+        return None
+
+    def call_finished(self, token: None, end: float, error: BaseException | None) -> None:
+        return None
+
+    def finished(self, record: Any, depth: int) -> None:
+        self.owner.record_iteration(record, depth)
+
+
+# ============================================================================ engines
+
+
+class EngineMetrics:
+    """Metrics of engine services; observer(role) is the ServiceObserver a servicer takes."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        counter, _, histogram = _makers(registry)
+        self.calls = counter("specdec_engine_calls", "Engine calls (Draft, Score, Verify) by outcome (ok, "
+                             "session_gone, invalid, cancelled, error).",
+                             "role", "rpc", "outcome")
+        self.call_seconds = histogram("specdec_engine_call_seconds", "Engine call time in its worker thread "
+                                      "(session lock wait included).", "role", "rpc")
+        self.forward_seconds = histogram("specdec_forward_seconds", "Model forward-pass time of one call.",
+                                         "role", "rpc")
+        self.verification_seconds = histogram("specdec_verification_seconds", "Time of the verification "
+                                              "step (after the forward pass).", "method")
+        self.reused_tokens = counter("specdec_reused_tokens", "Committed tokens whose KV entries were "
+                                     "reused.", "role")
+        self.sessions = _SessionCollector()
+        registry.register(self.sessions)
+
+    def observer(self, role: str) -> _EngineObserver:
+        return _EngineObserver(self, role)
+
+    def watch_engine(self, role: str, engine: Any) -> None:
+        """Report engine.stats() (sessions, evictions, …) under role at every scrape."""
+        self.sessions.add(role, engine)
+
+
+class _EngineObserver:
+    def __init__(self, owner: EngineMetrics, role: str) -> None:
+        self.owner = owner
+        self.role = role
+
+    def observe(self, rpc: str, request: Any, result: Any, error: BaseException | None,
+                start_ns: int, end_ns: int) -> None:
+        owner, role = self.owner, self.role
+        owner.calls.labels(role, rpc, call_outcome(error)).inc()
+        seconds = max(0, end_ns - start_ns) / 1e9
+        owner.call_seconds.labels(role, rpc).observe(seconds)
+        if error is not None:
+            return
+        if rpc == "Score":  # a forward pass and nothing else
+            owner.forward_seconds.labels(role, rpc).observe(seconds)
+            return
+        if result is None:
+            return
+        if rpc == "Verify":
+            if not result.extra.get("score_reused", 0.0):  # else counted in its Score call
+                owner.forward_seconds.labels(role, rpc).observe(result.forward_seconds)
+            method = str(getattr(request, "method", ""))
+            owner.verification_seconds.labels(method).observe(result.verify_seconds)
+        else:
+            owner.forward_seconds.labels(role, rpc).observe(result.forward_seconds)
+        owner.reused_tokens.labels(role).inc(max(0, int(result.reused_tokens)))
+
+
+def call_outcome(error: BaseException | None) -> str:
+    """ok | session_gone (the caller resends its context: protocol, no failure) | invalid | cancelled
+    | error."""
+    if error is None:
+        return "ok"
+    name = type(error).__name__
+    if name == "SessionGone":
+        return "session_gone"
+    if name == "CancelledError":
+        return "cancelled"
+    if isinstance(error, ValueError):  # InvalidRequest and the other bad-argument errors
+        return "invalid"
+    return "error"
+
+
+# engine.stats() key → (metric name, help, type)
+_SESSION_STATS = {
+    "active_sessions": ("specdec_active_sessions", "Sessions (KV caches) held by the engine.", "gauge"),
+    "evictions": ("specdec_session_evictions", "Sessions dropped by LRU or TTL eviction.", "counter"),
+    "expirations": ("specdec_session_expirations", "Sessions dropped after the TTL without use.", "counter"),
+    "created": ("specdec_sessions_created", "Sessions created.", "counter"),
+    "released": ("specdec_sessions_released", "Sessions released by their caller.", "counter"),
+    "score_hits": ("specdec_score_hits", "Verifies that used the rows of an early Score call.", "counter"),
+    "late_scores": ("specdec_late_scores", "Score calls ignored because their verify had run.", "counter"),
+}
+
+
+class _SessionCollector(Collector):
+    """engine.stats() of each watched engine, read at scrape time (no bookkeeping in the engines' path)."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def add(self, role: str, engine: Any) -> None:
+        with self._lock:
+            self._engines[role] = engine
+
+    def _families(self) -> dict[str, Any]:
+        families = {}
+        for key, (name, text, kind) in _SESSION_STATS.items():
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            families[key] = family(name, text, labels=["role"])
+        return families
+
+    def describe(self) -> Iterator[Any]:
+        yield from self._families().values()
+
+    def collect(self) -> Iterator[Any]:
+        families = self._families()
+        with self._lock:
+            engines = dict(self._engines)
+        for role, engine in engines.items():
+            try:
+                stats = engine.stats()
+            except Exception:  # a scrape must not fail because of one engine
+                continue
+            for key, family in families.items():
+                if key in stats:
+                    family.add_metric([role], float(stats[key]))
+        yield from families.values()
+
+
+# ============================================================================ /metrics
+
+
+@dataclass
+class MetricsServer:
+    """A running /metrics endpoint (prometheus-client's HTTP server in a daemon thread)."""
+
+    server: Any
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1",
+                         registry: CollectorRegistry | None = None) -> MetricsServer:
+    """Serve `registry` (default: DEFAULT_REGISTRY) on http://host:port/metrics; port 0 = any free port."""
+    from prometheus_client import start_http_server
+
+    server, thread = start_http_server(port, addr=host, registry=registry or DEFAULT_REGISTRY)
+    return MetricsServer(server, thread, host, int(server.server_address[1]))
+
+
+# The registry a server process uses unless it builds its own (one role per process).
+DEFAULT_REGISTRY = new_registry()
