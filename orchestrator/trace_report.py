@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from orchestrator.tracing import DRAFT_SPAN, ITERATION_SPAN, REQUEST_SPAN, VERIF
 ENGINE_SUFFIXES = (".forward", ".verification", ".score")  # verifier.score: a forward pass, nothing else
 MAX_DRAWN_REQUESTS = 50
 PX_PER_ITERATION = 18
-MIN_WIDTH, MAX_WIDTH = 1100, 24000
+MIN_WIDTH, MAX_WIDTH = 1300, 24000
 LABEL_W = 120
 LANE_H = 24
 
@@ -262,7 +263,26 @@ def _e(text: Any) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f} ms"
+    """A duration as a person reads it: 12.3 ms, 4.56 s."""
+    return f"{seconds:.2f} s" if seconds >= 1.0 else f"{seconds * 1000:.1f} ms"
+
+
+def _tick_step(span_ns: int, target: int = 10) -> int:
+    """A round tick spacing (1, 2 or 5 × 10^n ns) giving about `target` ticks."""
+    raw = max(1.0, span_ns / target)
+    power = 10 ** int(math.floor(math.log10(raw)))
+    for factor in (1, 2, 5, 10):
+        if factor * power >= raw:
+            return int(factor * power)
+    return int(10 * power)
+
+
+def _tick_label(offset_ns: int, step_ns: int) -> str:
+    if step_ns >= 1_000_000_000:
+        return f"{offset_ns / 1e9:g} s"
+    if step_ns >= 1_000_000:
+        return f"{offset_ns / 1e6:g} ms"
+    return f"{offset_ns / 1e3:g} µs"
 
 
 def _card(value: str, key: str, ident: str | None = None) -> str:
@@ -287,8 +307,8 @@ def _gantt(run: RequestRun, number: int) -> str:
     t0 = min([run.start_ns] + [it.start_ns for it in iterations])
     t1 = max([run.end_ns] + [it.end_ns for it in iterations])
     span_ns = max(1, t1 - t0)
-    width = max(MIN_WIDTH, min(MAX_WIDTH, LABEL_W + 20 + PX_PER_ITERATION * len(iterations)))
-    plot_w = width - LABEL_W - 20
+    width = max(MIN_WIDTH, min(MAX_WIDTH, LABEL_W + 40 + PX_PER_ITERATION * len(iterations)))
+    plot_w = width - LABEL_W - 40  # room for the last tick's label
     lanes = ["iteration", "drafter", "verifier", "overlap", "accepted"]
     axis_h = 22
     height = axis_h + LANE_H * len(lanes) + 8 + 2 * LANE_H  # the accepted lane is three lanes high
@@ -305,12 +325,12 @@ def _gantt(run: RequestRun, number: int) -> str:
     out = [f'<svg class="gantt" data-request="{_e(run.request_id)}" width="{width}" height="{height}" '
            f'xmlns="http://www.w3.org/2000/svg" role="img" aria-label="timeline of request {number}">']
     # time axis
-    ticks = 10
-    for i in range(ticks + 1):
-        t = t0 + span_ns * i // ticks
-        xi = x(t)
+    step = _tick_step(span_ns)
+    for offset in range(0, span_ns + 1, step):
+        xi = x(t0 + offset)
         out.append(f'<line x1="{xi:.1f}" y1="{axis_h - 4}" x2="{xi:.1f}" y2="{height}" stroke="#eee"/>')
-        out.append(f'<text x="{xi:.1f}" y="{axis_h - 8}" text-anchor="middle">{(t - t0) / 1e6:.0f} ms</text>')
+        label = _tick_label(offset, step)
+        out.append(f'<text x="{xi:.1f}" y="{axis_h - 8}" text-anchor="middle">{label}</text>')
     for name in lanes:
         label = {"accepted": "accepted / drafted"}.get(name, name)
         out.append(f'<text class="lane-label" x="6" y="{lane_y(name) + 16}">{_e(label)}</text>')

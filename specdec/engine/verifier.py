@@ -133,6 +133,9 @@ class VerifierEngine:
             if session.last_verified == key:
                 self.late_scores += 1
                 return
+            # The caller now counts `committed` as what this session holds (its mirror moved
+            # on), so record it even before the verify that follows.
+            session.committed = committed
             if session.scored is not None and session.scored.key == key:
                 return
             session.scored = None

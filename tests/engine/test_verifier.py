@@ -179,6 +179,21 @@ def test_score_then_verify_reuses_the_forward_pass(verifier):
     assert out.extra["score_reused"] == 0.0 and out.committed_len == n + len(out.tokens)
 
 
+def test_score_opening_a_session_counts_as_committed(verifier):
+    """RD's first no-draft step opens the session with Score; the Verify that follows names
+    the scored context as already held (base_len = its length, nothing appended)."""
+    prompt = [1, 2, 3]
+    q = torch.full((1, 8), 1 / 8)
+    verifier.score(ScoreRequest("opened-by-score", 0, prompt, [], [], T1))
+    hits = verifier.score_hits
+    out = verifier.verify(
+        verify_request("opened-by-score", len(prompt), [], [], [], "rd",
+                       params=MethodParams(a=0.0, k_max=1), draft_probs=q)
+    )
+    assert verifier.score_hits == hits + 1 and out.extra["score_reused"] == 1.0
+    assert committed_of(verifier, "opened-by-score") == prompt + out.tokens
+
+
 def test_verify_waits_for_a_running_score(verifier):
     prompt, tokens, parents = [1, 2, 3, 4], [5, 6], [-1, 0]
     q = torch.full((3, 8), 1 / 8)
