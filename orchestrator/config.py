@@ -28,6 +28,9 @@ class OrchestratorConfig(BaseSettings):
     # Shape trees from the measured rank acceptance of the model pair once this many decisions
     # per rank were recorded (0 = never; seeded requests then replay exactly across deployments).
     calibration_min_samples: int = Field(0, ge=0)
+    # Take k, tree budget, a and rank acceptance from `specdec analyze --save` for this model pair
+    # (fields set explicitly, by argument or SPECDEC_* variable, always win).
+    use_calibration: bool = True
 
     max_k: int = Field(16, ge=1)
     max_tree_budget: int = Field(64, ge=1)

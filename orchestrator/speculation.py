@@ -42,6 +42,7 @@ from orchestrator.api import (
 from orchestrator.clients.base import DrafterClient, PeerUnavailable, VerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.store import RequestRecord, Store, open_store
+from specdec.calibration import load_calibration
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
@@ -218,6 +219,19 @@ class Orchestrator:
                 f"{target.vocab_size} and tokenizer {target.tokenizer_fingerprint[:12]}"
             )
         self.draft_info = info
+        if self.config.use_calibration:
+            self._apply_calibration(info, target)
+
+    def _apply_calibration(self, draft: ModelInfo, target: ModelInfo) -> None:
+        """Saved analyser results for this pair become the defaults of fields not set explicitly."""
+        calibration = load_calibration(draft.model_id, target.model_id)
+        if calibration is None:
+            return
+        explicit = self.config.model_fields_set
+        updates = {k: v for k, v in calibration.orchestrator_defaults().items() if k not in explicit}
+        if updates:
+            self.config = self.config.model_copy(update=updates)
+            log.info("calibration of %s → %s applied: %s", draft.model_id, target.model_id, updates)
 
     def _drafter_unavailable(self, exc: Exception) -> None:
         log.warning("drafter unavailable (%s); target-only steps, retry in %.1fs", exc,
