@@ -85,9 +85,11 @@ def plot_tokens_vs_budget(analysis: dict[str, Any], path: Path) -> Path:
     ax.plot(b, curve["batch_ersd"], "--", label="batch, ERSD")
     ax.plot(b, curve["tree_gsd"], "-", lw=2, label="optimal tree, GSD")
     ax.plot(b, curve["tree_ersd"], "--", lw=2, label="optimal tree, ERSD")
-    xs, ys = _finite_pairs(b, curve["tunstall_refined_ersd"])
-    if xs:
-        ax.plot(xs, ys, ":", color="k", label="Tunstall bound (Lemma 4.2, ERSD R)")
+    for kind, color in (("gsd", "C4"), ("ersd", "C5")):
+        # Each bound holds for trees under its own acceptance model R (GSD and ERSD differ).
+        xs, ys = _finite_pairs(b, curve[f"tunstall_refined_{kind}"])
+        if xs:
+            ax.plot(xs, ys, ":", color=color, label=f"Tunstall bound (Lemma 4.2, {kind.upper()} R)")
     xs, ys = _finite_pairs(b, curve["speed_of_light"])
     if xs:
         ax.plot(xs, ys, "-.", color="r", label="speed of light (Thm 1)")

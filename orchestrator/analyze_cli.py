@@ -115,7 +115,7 @@ def analyze(
         Path | None,
         typer.Option(
             "--out",
-            help="Folder for analysis.json and the PNG plots. Default: $SPECDEC_HOME/analysis/<pair-key>.",
+            help="Folder for analysis.json and the PNG plots. Default: $SPECDEC_HOME/analysis/DRAFT__TARGET.",
             show_default=False,
         ),
     ] = None,
@@ -126,7 +126,7 @@ def analyze(
         bool,
         typer.Option(
             "--save-calibration/--no-save-calibration",
-            help="Store the result as the pair's calibration ($SPECDEC_HOME/calibration/<pair-key>.json), "
+            help="Store the result as the pair's calibration ($SPECDEC_HOME/calibration/DRAFT__TARGET.json), "
             "which the orchestrator uses as its defaults for the pair.",
         ),
     ] = True,

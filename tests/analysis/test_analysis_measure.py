@@ -210,6 +210,7 @@ def test_analysis_structure(tiny_analysis) -> None:
         assert len(data["rank_acceptance"][kind]) == 8
     plan = data["plan"]
     assert {"sequence", "tree", "rd", "methods"} <= set(plan)
+    assert plan["sequence"]["pays_timed"] == (plan["sequence"]["speedup_timed"] > 1.0)
     assert set(plan["methods"]) == {"token", "block", "ersd", "gsd-tree", "ersd-tree", "rd", "rd-k1"}
     for method in plan["methods"].values():
         assert method["expected_tokens"] >= 1.0 and method["speedup_formula"] > 0
