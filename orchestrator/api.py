@@ -25,6 +25,9 @@ class GenerationRequest:
     # Node budget of a draft tree: gsd-tree (falls back to k, then the configured default) and
     # ersd (set → a tree of this many nodes; None → a sequence of k tokens).
     tree_budget: int | None = None
+    # Pre-draft the next block while the verifier checks this one (token, block, ersd; rd when
+    # K = k_max); None → the orchestrator's `pipeline` setting.
+    pipeline: bool | None = None
 
 
 @dataclass
@@ -41,6 +44,8 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     fallback_iterations: int = 0  # iterations run target-only because the drafter was down
+    pre_drafts_used: int = 0  # pipelined blocks whose assumed context came true (verified as drafted)
+    pre_drafts_dropped: int = 0  # pipelined blocks dropped: their assumed context did not come true
 
     @property
     def tokens_per_second(self) -> float:

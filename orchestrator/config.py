@@ -32,6 +32,12 @@ class OrchestratorConfig(BaseSettings):
     # (fields set explicitly, by argument or SPECDEC_* variable, always win).
     use_calibration: bool = True
 
+    # Pipelined speculation (orchestrator.speculation, "Pipelining"): while the verifier checks a
+    # block, the drafter already drafts the next one from the prefix that full acceptance would
+    # give. Sequence methods only (token, block, ersd without a tree; rd when K = k_max). A
+    # request may override it (GenerationRequest.pipeline).
+    pipeline: bool = False
+
     max_k: int = Field(16, ge=1)
     max_tree_budget: int = Field(64, ge=1)
     max_new_tokens_limit: int = Field(4096, ge=1)

@@ -13,6 +13,27 @@ resumed request draws fresh, independent randomness for what it emits.
 Session protocol (specdec.engine.api): for each service the loop keeps a mirror of the committed
 sequence that service holds and sends base_len = common prefix of mirror and truth, append =
 the rest. After a failed call the mirror shrinks to what the service holds in either case.
+
+Pipelining (config `pipeline`, request `pipeline`; PEARL-style post-verify). For sequence
+drafts (token, block, ersd without a tree, and rd iterations whose K equals k_max) the drafter
+does not wait for the verifier: while the verifier checks block n = x_1..x_k drafted from the
+committed prefix c, the drafter computes its row after c + x, guesses the bonus token b (the
+row's argmax; for ersd the winner of the race at that position under the drafter's row), and
+drafts block n+1 from the speculative context c + x + b. When the verifier answers, the
+pre-drafted block is kept only if c + x + b is exactly the new committed sequence (all k
+accepted and the bonus equals b); otherwise it is dropped (the drafter's session resyncs by
+common prefix on its next call). When the verification shows that not all k were accepted, the
+pre-draft is abandoned: it stops after its current drafter call, which the run's next drafter
+call waits for (a run's drafter calls never overtake each other, so the session mirror stays
+true; an in-flight call is not cancelled, as the engine would finish it anyway).
+Why this is exact: a draft block is a function of its context and of the drafter's randomness,
+which is keyed on (seed, "draft", context length) for sampled drafts and on (seed, position)
+races for ersd — never on the verifier's draws or on the decision to use it. A kept pre-draft
+has context equal to the committed prefix, so it is precisely the block a fresh draft from that
+prefix would be (same context, same stream): distributed like a fresh draft given the past, and
+the acceptance rules are unchanged, hence the law of the output is unchanged. With a seed,
+pipelined and sequential runs even emit the same tokens (up to floating-point differences of
+the drafter's cache paths, which can move a sampled draft token but never the output's law).
 """
 
 from __future__ import annotations
@@ -53,6 +74,7 @@ from specdec.engine.api import (
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.races import race, race_winner
 from specdec.sampling import SamplingParams
 from specdec.trees import DraftTree
 from specdec.verification.base import MethodParams
@@ -70,6 +92,14 @@ class _DrafterDown(Exception):
     def __init__(self, cause: PeerUnavailable) -> None:
         super().__init__(str(cause))
         self.cause = cause
+
+
+@dataclass
+class _PreDraft:
+    """A block drafted ahead from a speculative context (see "Pipelining" above)."""
+
+    context: list[int]  # the committed sequence it assumes: c + x_1..x_k + b
+    draft: DraftResult
 
 
 @dataclass
@@ -101,6 +131,9 @@ class _Run:
     perf0: float = field(default_factory=time.perf_counter)
     epoch0: float = field(default_factory=time.time)
     probe: Any = None  # the observer's RequestProbe of this run (tracing, metrics), if any
+    pipeline: bool = False
+    predraft: _PreDraft | None = None  # the next block, drafted while the last one was verified
+    drafter_pending: asyncio.Task | None = None  # an abandoned pre-draft still in its drafter call
 
     @property
     def committed(self) -> list[int]:
@@ -121,6 +154,7 @@ class _Run:
             "stop": list(self.stop),
             "stop_token_ids": sorted(self.stop_ids),
             "rank_acceptance": list(self.rank_acceptance),
+            "pipeline": self.pipeline,
         }
 
 
@@ -313,6 +347,8 @@ class Orchestrator:
             raise InvalidRequest("stop strings must be non-empty strings")
         stop_ids = target.eos_token_ids if request.stop_token_ids is None else tuple(request.stop_token_ids)
         _check_ids("stop_token_ids", stop_ids, target.vocab_size)
+        if request.pipeline is not None and not isinstance(request.pipeline, bool):
+            raise InvalidRequest(f"pipeline must be a boolean or None, got {request.pipeline!r}")
         if request.seed is not None and not isinstance(request.seed, int):
             raise InvalidRequest(f"seed must be an integer, got {request.seed!r}")
 
@@ -351,6 +387,7 @@ class Orchestrator:
             seed=request.seed if request.seed is not None else secrets.randbits(63),
             stats=GenerationStats(),
             rank_acceptance=rank_acceptance,
+            pipeline=config.pipeline if request.pipeline is None else request.pipeline,
         )
         await self._save(run, "running")
         return run
@@ -384,6 +421,7 @@ class Orchestrator:
             seed=record.seed,
             stats=GenerationStats(**record.stats) if record.stats else GenerationStats(),
             rank_acceptance=list(p["rank_acceptance"]),
+            pipeline=bool(p.get("pipeline", False)),
         )
 
     # the loop ----------------------------------------------------------------------------------
@@ -446,6 +484,12 @@ class Orchestrator:
             log.exception("observer failed at the end of request %s", run.request_id)
 
     async def _finish_run(self, run: _Run) -> None:
+        if run.drafter_pending is not None:
+            try:
+                async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                    await self._settle_drafter(run)
+            except TimeoutError:
+                log.debug("an abandoned pre-draft of %s is still running", run.session_id)
         for client in (self.drafter, self.verifier):
             if client is None:
                 continue
@@ -516,6 +560,8 @@ class Orchestrator:
         if not outcome.tokens:
             raise RuntimeError("verifier emitted no token")
         emitted = await self._absorb(run, outcome.tokens)
+        if run.predraft is not None and (run.finish_reason is not None or record.method != run.method):
+            self._drop_predraft(run)
 
         record.drafted = len(tree) > 0
         record.num_drafted = len(tree)
@@ -553,6 +599,10 @@ class Orchestrator:
             shape = scheduling.sequence_shape(min(run.k, depth_cap))
             record.k = run.k
         race = method == "ersd"
+        if run.pipeline and run.tree_budget is None and method in ("token", "block", "ersd"):
+            k = min(run.k, depth_cap)
+            params = MethodParams(seed=run.seed, position=position)
+            return await self._speculate_pipelined(run, committed, k, method, params, timeline)
         draft = await self._draft(run, committed, shape, "race" if race else "sample", not race, timeline)
         tree = DraftTree(tuple(draft.tokens), tuple(draft.parents))
         params = MethodParams(seed=run.seed, position=position)
@@ -569,6 +619,8 @@ class Orchestrator:
         heads = scheduling.rd_leading_heads(run.a, k_max, run.seed, position)
         record.k, record.heads = run.k, heads
         params = MethodParams(a=run.a, k_max=k_max, seed=run.seed, position=position)
+        if run.pipeline and heads == k_max:
+            return await self._speculate_pipelined(run, committed, k_max, "rd", params, timeline)
         if heads == 0:
             # No draft: Q_1 and P_1 are computed concurrently on the same prefix.
             tree = DraftTree.empty()
@@ -593,6 +645,124 @@ class Orchestrator:
                 probs = torch.cat([probs[:heads], _rows(extra, 1).to(probs.dtype)])
         outcome = await self._verify(run, committed, tree, "rd", params, probs, timeline)
         return tree, outcome
+
+    async def _speculate_pipelined(
+        self, run: _Run, committed: list[int], k: int, method: str, params: MethodParams, timeline: _Timeline
+    ) -> tuple[DraftTree, VerifyOutcome]:
+        """One sequence iteration that verifies block n while pre-drafting block n+1 (module docstring).
+
+        Block n is the pre-draft made during the previous iteration when its assumed context is
+        the committed prefix, else a fresh draft.
+        """
+        race_strategy = method == "ersd"
+        strategy, want = ("race", False) if race_strategy else ("sample", True)
+        draft = self._take_predraft(run, committed, k)
+        if draft is None:
+            draft = await self._draft(run, committed, scheduling.sequence_shape(k), strategy, want, timeline)
+        tree = DraftTree(tuple(draft.tokens), tuple(draft.parents))
+        probs = draft.draft_probs
+        if method == "rd":
+            if len(tree) != k:
+                raise RuntimeError(f"drafter returned {len(tree)} tokens for an RD sequence of {k}")
+            probs = _rows(draft, k + 1)
+        next_k = self._next_block(run, committed, tree, method, k)
+        if next_k == 0:
+            outcome = await self._verify(run, committed, tree, method, params, probs, timeline)
+            return tree, outcome
+        context = committed + list(tree.tokens)
+        abandon = asyncio.Event()
+        task = asyncio.create_task(self._predraft(run, context, next_k, strategy, want, timeline, abandon))
+        try:
+            outcome = await self._verify(run, committed, tree, method, params, probs, timeline)
+        except BaseException:
+            abandon.set()
+            run.drafter_pending = task
+            await self._settle_drafter(run)
+            raise
+        if len(outcome.accepted_nodes) < len(tree):  # the assumed context cannot come true
+            abandon.set()
+            run.drafter_pending = task  # the next drafter call waits for it
+            run.stats.pre_drafts_dropped += 1
+            return tree, outcome
+        try:
+            predraft = await task
+        except _DrafterDown as exc:  # block n is verified; only the look-ahead is lost
+            self._drafter_unavailable(exc.cause)
+            return tree, outcome
+        except Exception as exc:  # the verifier committed block n already: do not fail for the look-ahead
+            log.warning("pre-draft failed (%s: %s); drafting afresh next iteration", type(exc).__name__, exc)
+            run.stats.pre_drafts_dropped += 1
+            return tree, outcome
+        if predraft is not None and predraft.context == committed + list(outcome.tokens):
+            run.predraft = predraft
+        else:
+            run.stats.pre_drafts_dropped += 1
+        return tree, outcome
+
+    def _next_block(self, run: _Run, committed: list[int], tree: DraftTree, method: str, k: int) -> int:
+        """Length of the block to pre-draft for the context c + x + b, or 0 when not worth it.
+
+        Not worth it when the drafter stopped short, when full acceptance would end the request
+        (length, or a stop token among the drafts), or — for rd — when the coins of that position
+        do not give K = k_max (that iteration would not draft a full sequence).
+        """
+        if len(tree) != k or any(t in run.stop_ids for t in tree.tokens):
+            return 0
+        if len(run.generated) + len(tree) + 1 >= run.max_new_tokens:
+            return 0
+        position = len(committed) + len(tree) + 1
+        next_k = min(run.k, self._depth_cap(position))
+        if next_k <= 0:
+            return 0
+        if method == "rd":
+            assert run.a is not None
+            if scheduling.rd_leading_heads(run.a, next_k, run.seed, position) != next_k:
+                return 0
+        return next_k
+
+    async def _predraft(
+        self, run: _Run, context: list[int], k: int, strategy: str, want: bool, timeline: _Timeline,
+        abandon: asyncio.Event,
+    ) -> _PreDraft | None:
+        """Guess the bonus token after `context` from the drafter's row, then draft k tokens after it.
+
+        Returns None when abandoned (the verifier rejected part of the block) before the second call.
+        """
+        row = _rows(await self._draft(run, context, [], "sample", True, timeline), 1)[0]
+        if abandon.is_set():
+            return None
+        if strategy == "race":  # the verifier's bonus is the race winner under P: couple with Q's
+            bonus = race_winner(race(run.seed, len(context), row.shape[-1]), row)
+        else:
+            bonus = int(torch.argmax(row))  # first maximum: lowest id on ties
+        assumed = context + [int(bonus)]
+        block = await self._draft(run, assumed, scheduling.sequence_shape(k), strategy, want, timeline)
+        return _PreDraft(assumed, block)
+
+    def _take_predraft(self, run: _Run, committed: list[int], k: int) -> DraftResult | None:
+        predraft, run.predraft = run.predraft, None
+        if predraft is None:
+            return None
+        if predraft.context != committed or len(predraft.draft.tokens) != k:
+            run.stats.pre_drafts_dropped += 1
+            return None
+        run.stats.pre_drafts_used += 1
+        return predraft.draft
+
+    async def _settle_drafter(self, run: _Run) -> None:
+        """Wait for an abandoned pre-draft's drafter call (its result and errors do not matter)."""
+        task, run.drafter_pending = run.drafter_pending, None
+        if task is None or task is asyncio.current_task():
+            return
+        try:
+            await task
+        except Exception as exc:
+            log.debug("abandoned pre-draft ended with %s: %s", type(exc).__name__, exc)
+
+    def _drop_predraft(self, run: _Run) -> None:
+        if run.predraft is not None:
+            run.predraft = None
+            run.stats.pre_drafts_dropped += 1
 
     # service calls -----------------------------------------------------------------------------
     async def _session_call(
@@ -628,8 +798,12 @@ class Orchestrator:
                 sampling=run.sampling, seed=run.seed, strategy=strategy, want_distributions=want,
             ))
 
+        async def settled_call() -> DraftResult:
+            await self._settle_drafter(run)  # a run's drafter calls never overtake each other
+            return await self._session_call(run, "drafter_mirror", target, call)
+
         try:
-            return await timeline.timed("draft", self._session_call(run, "drafter_mirror", target, call))
+            return await timeline.timed("draft", settled_call())
         except PeerUnavailable as exc:
             raise _DrafterDown(exc) from exc
 

@@ -319,6 +319,8 @@ def generation_request_to_proto(req: GenerationRequest) -> generation_pb2.Genera
         msg.request_id = req.request_id
     if req.tree_budget is not None:
         msg.tree_budget = int(req.tree_budget)
+    if req.pipeline is not None:
+        msg.pipeline = bool(req.pipeline)
     return msg
 
 
@@ -337,6 +339,7 @@ def generation_request_from_proto(msg: generation_pb2.GenerationRequest) -> Gene
         a=msg.a if msg.HasField("a") else None,
         request_id=msg.request_id if msg.HasField("request_id") else None,
         tree_budget=msg.tree_budget if msg.HasField("tree_budget") else None,
+        pipeline=msg.pipeline if msg.HasField("pipeline") else None,
     )
 
 
@@ -356,6 +359,8 @@ def generation_stats_to_proto(stats: GenerationStats) -> generation_pb2.Generati
         fallback_iterations=int(stats.fallback_iterations),
         tokens_per_second=float(stats.tokens_per_second),
         acceptance_rate=float(stats.acceptance_rate),
+        pre_drafts_used=int(stats.pre_drafts_used),
+        pre_drafts_dropped=int(stats.pre_drafts_dropped),
     )
 
 
@@ -374,6 +379,8 @@ def generation_stats_from_proto(msg: generation_pb2.GenerationStats) -> Generati
         accepted_per_position=list(msg.accepted_per_position),
         drafted_per_position=list(msg.drafted_per_position),
         fallback_iterations=msg.fallback_iterations,
+        pre_drafts_used=msg.pre_drafts_used,
+        pre_drafts_dropped=msg.pre_drafts_dropped,
     )
 
 

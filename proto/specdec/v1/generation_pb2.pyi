@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerationRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class GenerationRequest(_message.Message):
     A_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _common_pb2.TokenIds
     max_new_tokens: int
@@ -35,10 +36,11 @@ class GenerationRequest(_message.Message):
     a: float
     request_id: str
     tree_budget: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ...) -> None: ...
+    pipeline: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("iterations", "drafted_iterations", "drafted_tokens", "accepted_tokens", "new_tokens", "seconds", "draft_seconds", "verify_seconds", "overlap_seconds", "accepted_per_position", "drafted_per_position", "fallback_iterations", "tokens_per_second", "acceptance_rate")
+    __slots__ = ("iterations", "drafted_iterations", "drafted_tokens", "accepted_tokens", "new_tokens", "seconds", "draft_seconds", "verify_seconds", "overlap_seconds", "accepted_per_position", "drafted_per_position", "fallback_iterations", "tokens_per_second", "acceptance_rate", "pre_drafts_used", "pre_drafts_dropped")
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +55,8 @@ class GenerationStats(_message.Message):
     FALLBACK_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFTS_USED_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     iterations: int
     drafted_iterations: int
     drafted_tokens: int
@@ -67,7 +71,9 @@ class GenerationStats(_message.Message):
     fallback_iterations: int
     tokens_per_second: float
     acceptance_rate: float
-    def __init__(self, iterations: _Optional[int] = ..., drafted_iterations: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., overlap_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallback_iterations: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ...) -> None: ...
+    pre_drafts_used: int
+    pre_drafts_dropped: int
+    def __init__(self, iterations: _Optional[int] = ..., drafted_iterations: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., overlap_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallback_iterations: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., pre_drafts_used: _Optional[int] = ..., pre_drafts_dropped: _Optional[int] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "seed", "method", "stats", "iterations", "started_at")

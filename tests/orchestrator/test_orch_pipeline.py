@@ -1,0 +1,196 @@
+"""Pipelined speculation (orchestrator.speculation, "Pipelining") through the real code path.
+
+The drafter pre-drafts block n+1 from the speculative context committed + x_1..x_k + b while
+the verifier checks block n; the block is used only when that context came true. Checked here:
+greedy output is Hugging Face's greedy generate; with a seed the pipelined run emits exactly the
+tokens of the sequential run (the pre-draft for context length L uses the drafter's stream of a
+fresh draft at L); a chi-square test at T = 1 through the whole stack; and, with slowed models
+and drafter = target, the pre-drafts are used and their calls overlap the verifier's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from orch_helpers import FlakyDrafter, hf_greedy
+from test_orch_fidelity import exact_distribution, p_values, sample
+
+from orchestrator.api import GenerationRequest
+from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
+from orchestrator.config import OrchestratorConfig
+from orchestrator.speculation import Orchestrator
+from specdec.engine.api import InvalidRequest
+from specdec.engine.drafter import DrafterEngine
+from specdec.engine.verifier import VerifierEngine
+from specdec.runtime.loading import load_model
+from specdec.runtime.tiny import save_tiny_model
+from specdec.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLE = SamplingParams(temperature=1.0)
+PROMPTS = [[1, 2, 3], [0], [4, 4, 1, 0, 2]]
+PIPELINED = [
+    ("token", {"k": 3}),
+    ("block", {"k": 4}),
+    ("ersd", {"k": 3}),
+    ("rd", {"k": 2, "a": 1.0}),  # K = k_max at every position: always pipelined
+    ("rd", {"k": 3, "a": 0.7}),  # pipelined only where the coins give K = k_max
+]
+IDS = [f"{m}-" + "-".join(f"{k}{v}" for k, v in knobs.items()) for m, knobs in PIPELINED]
+
+
+def _request(prompt, n, method, sampling=SAMPLE, seed=0, **kwargs) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=list(prompt), max_new_tokens=n, method=method, sampling=sampling,
+                             seed=seed, stop_token_ids=[], **kwargs)
+
+
+def _check_records(result) -> None:
+    stats, records = result.stats, result.iterations
+    assert stats.new_tokens == len(result.token_ids) == sum(len(r.emitted) for r in records)
+    assert stats.accepted_tokens == sum(r.accepted for r in records) <= stats.drafted_tokens
+    assert 0 <= stats.overlap_seconds <= min(stats.draft_seconds, stats.verify_seconds) + 1e-9
+    for r in records:
+        for start, end in r.draft_intervals + r.verify_intervals:
+            assert r.start <= start <= end <= r.end + 1e-6
+
+
+@pytest.mark.parametrize("method,knobs", PIPELINED, ids=IDS)
+async def test_greedy_pipelined_equals_hf_generate(make_orchestrator, loaded, method, knobs):
+    orch = make_orchestrator(pipeline=True)
+    for prompt in PROMPTS:
+        expected = hf_greedy(loaded["target"].model, prompt, 24)
+        result = await orch.generate(_request(prompt, 24, method, GREEDY, seed=5, **knobs))
+        assert result.token_ids == expected, (method, prompt)
+        _check_records(result)
+
+
+@pytest.mark.parametrize("method,knobs", PIPELINED, ids=IDS)
+async def test_seeded_pipelined_equals_sequential(make_orchestrator, method, knobs):
+    """Same seed, same tokens: a kept pre-draft is the very block a fresh draft would be."""
+    sequential, pipelined = make_orchestrator(), make_orchestrator(pipeline=True)
+    used = dropped = 0
+    for seed in range(6):
+        prompt = PROMPTS[seed % len(PROMPTS)]
+        a = await sequential.generate(_request(prompt, 20, method, SAMPLE, seed=seed, **knobs))
+        b = await pipelined.generate(_request(prompt, 20, method, SAMPLE, seed=seed, **knobs))
+        assert a.token_ids == b.token_ids, (method, seed)
+        assert a.stats.pre_drafts_used == a.stats.pre_drafts_dropped == 0
+        _check_records(b)
+        used += b.stats.pre_drafts_used
+        dropped += b.stats.pre_drafts_dropped
+        assert b.stats.pre_drafts_used <= b.stats.iterations
+    if method != "rd" or knobs["a"] == 1.0:
+        assert used > 0, "no pre-draft was ever used: the test would not see a broken pipeline"
+        assert dropped > 0, "no pre-draft was ever dropped: the resync path went untested"
+
+
+async def test_request_override_and_validation(make_orchestrator, engines):
+    orch = make_orchestrator(drafter="self")  # drafter = target: greedy acceptance is 100%
+    off = await orch.generate(_request(PROMPTS[0], 16, "token", GREEDY, k=3))
+    on = await orch.generate(_request(PROMPTS[0], 16, "token", GREEDY, k=3, pipeline=True))
+    assert on.token_ids == off.token_ids
+    assert off.stats.pre_drafts_used == 0 and on.stats.pre_drafts_used > 0
+    assert on.stats.pre_drafts_dropped <= 1  # only a guess at the very end can go unused
+    forced_off = await make_orchestrator(drafter="self", pipeline=True).generate(
+        _request(PROMPTS[0], 16, "token", GREEDY, k=3, pipeline=False))
+    assert forced_off.stats.pre_drafts_used == 0
+    with pytest.raises(InvalidRequest, match="pipeline"):
+        await orch.generate(_request(PROMPTS[0], 4, "token", GREEDY, pipeline="yes"))
+
+
+@pytest.mark.parametrize("down", [{1}, {2}, {3, 4}], ids=["row-call", "block-call", "used-then-down"])
+async def test_drafter_lost_during_a_pre_draft(make_orchestrator, engines, loaded, down):
+    """A lost look-ahead call costs only the look-ahead: the verified block stands, output is exact."""
+    flaky = FlakyDrafter(InProcessDrafterClient(engines["self"]), down_calls=down)
+    orch = make_orchestrator(drafter=flaky, pipeline=True, drafter_retry_seconds=0.0)
+    result = await orch.generate(_request(PROMPTS[2], 20, "token", GREEDY, k=2))
+    assert result.token_ids == hf_greedy(loaded["target"].model, PROMPTS[2], 20)
+    assert flaky.refused == len(down)
+    _check_records(result)
+
+
+async def test_tree_methods_ignore_the_flag(make_orchestrator, loaded):
+    orch = make_orchestrator(pipeline=True)
+    for method, knobs in (("gsd-tree", {"k": 6}), ("ersd", {"tree_budget": 6})):
+        result = await orch.generate(_request(PROMPTS[0], 12, method, GREEDY, **knobs))
+        assert result.token_ids == hf_greedy(loaded["target"].model, PROMPTS[0], 12)
+        assert result.stats.pre_drafts_used == result.stats.pre_drafts_dropped == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# overlap with slowed models
+
+
+@pytest.fixture
+def slow_self_pair(model_dirs):
+    """Verifier on the target, drafter on its own copy of the target; every forward sleeps."""
+    sleep_s = 0.02
+
+    def slow(loaded_model):
+        loaded_model.model.register_forward_pre_hook(lambda module, args: time.sleep(sleep_s))
+        return loaded_model
+
+    return (DrafterEngine(slow(load_model(model_dirs["target"], threads=1))),
+            VerifierEngine(slow(load_model(model_dirs["target"], threads=1))))
+
+
+async def test_pipelined_drafts_overlap_verification(slow_self_pair, loaded):
+    drafter, verifier = slow_self_pair
+    results = {}
+    for pipeline in (False, True):
+        orch = Orchestrator(InProcessDrafterClient(drafter), InProcessVerifierClient(verifier),
+                            OrchestratorConfig(pipeline=pipeline))
+        results[pipeline] = await orch.generate(_request(PROMPTS[0], 24, "token", GREEDY, k=3))
+    sequential, pipelined = results[False], results[True]
+    assert pipelined.token_ids == sequential.token_ids == hf_greedy(loaded["target"].model, PROMPTS[0], 24)
+    assert sequential.stats.overlap_seconds <= 1e-9
+    assert pipelined.stats.pre_drafts_used >= 3, pipelined.stats
+    assert pipelined.stats.overlap_seconds > 0.3 * pipelined.stats.verify_seconds, pipelined.stats
+    # iterations that verified a pre-draft made no drafter call before the verifier's
+    ahead = [r for r in pipelined.iterations[1:] if r.drafted and r.draft_intervals
+             and min(s for s, _ in r.draft_intervals) >= min(s for s, _ in r.verify_intervals)]
+    assert len(ahead) >= pipelined.stats.pre_drafts_used - 1
+    _check_records(pipelined)
+
+
+# ------------------------------------------------------------------------------------------------
+# fidelity at T = 1 (same machinery and thresholds as test_orch_fidelity.py)
+
+SAMPLES = 1500
+FIDELITY = [("token", {"k": 1}), ("block", {"k": 1}), ("ersd", {"k": 1})]  # k = 1: a pre-draft fits in 3
+
+
+@pytest.fixture(scope="module")
+def fidelity_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline-fidelity")
+    target = load_model(save_tiny_model(root / "target", vocab_size=6, seed=111, num_layers=1), threads=1)
+    draft = load_model(save_tiny_model(root / "draft", vocab_size=6, seed=222, num_layers=1), threads=1)
+    return target, VerifierEngine(target), DrafterEngine(draft)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,knobs", FIDELITY, ids=[m for m, _ in FIDELITY])
+async def test_pipelined_output_is_distributed_as_the_target(fidelity_pair, method, knobs):
+    from test_orch_fidelity import P_THRESHOLD, PROMPT
+
+    target, verifier, drafter = fidelity_pair
+    stats = []
+    orch = Orchestrator(InProcessDrafterClient(drafter), InProcessVerifierClient(verifier),
+                        OrchestratorConfig(pipeline=True),
+                        on_iteration=None)
+    first = 7_000_000 + 1_000_000 * [m for m, _ in FIDELITY].index(method)
+    real_generate = orch.generate
+
+    async def generate(request):
+        result = await real_generate(request)
+        stats.append(result.stats)
+        return result
+
+    orch.generate = generate
+    samples = await sample(orch, method, knobs, SamplingParams(1.0), range(first, first + SAMPLES))
+    exact = exact_distribution(target.model, PROMPT, SamplingParams(1.0), 6)
+    joint, first_p = p_values(samples, exact)
+    assert min(joint, first_p) > P_THRESHOLD, f"{method}: chi-square p = {joint:.2e} / {first_p:.2e}"
+    used = sum(s.pre_drafts_used for s in stats)
+    assert used > SAMPLES // 10, f"pre-drafts used in only {used} of {SAMPLES} requests"
