@@ -771,6 +771,10 @@ def generate(
     a: Annotated[float | None, typer.Option(
         "--a", help="RD drafting probability in [0, 1] (method rd). Default: the orchestrator's (0.5).",
         show_default=False)] = None,
+    pipeline: Annotated[bool | None, typer.Option(
+        "--pipeline/--no-pipeline", help="Pre-draft the next block while the verifier checks this one "
+        "(token, block, ersd, rd at K = k_max; exact either way). Default: the orchestrator's (off).",
+        show_default=False)] = None,
     temperature: Annotated[float, typer.Option(
         "--temperature", "-t", help="Sampling temperature; 0 = greedy.")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")] = 0,
@@ -816,8 +820,8 @@ def generate(
         code = asyncio.run(_generate(
             prompt=texts[0] if texts else None, prompt_ids=ids, address=address, draft=draft, target=target,
             device=device, dtype=dtype, threads=threads, method=method, k=k, tree_budget=tree_budget, a=a,
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
-            stop=stop or [],
+            pipeline=pipeline, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            max_new_tokens=max_new_tokens, stop=stop or [],
             ignore_eos=ignore_eos, num_samples=num_samples, as_json=as_json, stream=stream, timeout=timeout,
             observability=ObservabilityOptions(trace_file, otlp_endpoint)))
     except KeyboardInterrupt:
@@ -827,7 +831,7 @@ def generate(
 
 
 async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype, threads, method, k,
-                    tree_budget, a,
+                    tree_budget, a, pipeline,
                     temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos, num_samples, as_json,
                     stream, timeout, observability: ObservabilityOptions) -> int:
     """Run the samples; returns the exit code (errors are printed here as one line)."""
@@ -851,7 +855,7 @@ async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype
                     prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                     stop=list(stop), stop_token_ids=[] if ignore_eos else None,
                     seed=None if seed is None else seed + sample, method=method, k=k, tree_budget=tree_budget,
-                    a=a)
+                    a=a, pipeline=pipeline)
                 if num_samples > 1 and not as_json:
                     err.print(f"[bold]── sample {sample + 1}/{num_samples}[/]")
                 result = await (_stream_one(client, request, sample, as_json) if stream

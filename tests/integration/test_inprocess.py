@@ -46,3 +46,20 @@ def test_inprocess_refuses_a_vocabulary_mismatch(tiny_models) -> None:
     assert result.exit_code == 1
     assert result.stderr.startswith("error: INVALID_ARGUMENT: vocabulary mismatch")
     assert "Traceback" not in result.stderr
+
+
+def test_pipeline_flag_reaches_the_orchestrator(tiny_models) -> None:
+    """--pipeline pre-drafts (counted in the stats) and, being exact, keeps seeded output unchanged."""
+    models = ("--draft", str(tiny_models.draft), "--target", str(tiny_models.target))
+    runs = {}
+    for flag in ("--pipeline", "--no-pipeline"):
+        result = invoke_cli("generate", *models, flag, "--temperature", "0", *ARGS)
+        assert result.exit_code == 0, result.output
+        runs[flag] = json_lines(result.stdout)
+    assert [r["token_ids"] for r in runs["--pipeline"]] == [r["token_ids"] for r in runs["--no-pipeline"]]
+
+    def pre_drafts(lines: list[dict]) -> int:
+        return sum(r["stats"]["pre_drafts_used"] + r["stats"]["pre_drafts_dropped"] for r in lines)
+
+    assert pre_drafts(runs["--pipeline"]) > 0
+    assert pre_drafts(runs["--no-pipeline"]) == 0
