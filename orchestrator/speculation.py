@@ -62,6 +62,7 @@ from orchestrator.api import (
 )
 from orchestrator.clients.base import DrafterClient, PeerUnavailable, VerifierClient
 from orchestrator.config import OrchestratorConfig
+from orchestrator.intervals import overlap
 from orchestrator.store import RequestRecord, Store, open_store
 from specdec.calibration import load_calibration
 from specdec.engine.api import (
@@ -189,7 +190,7 @@ class _Timeline:
         return sum(end - start for start, end in self.verify)
 
     def overlap_seconds(self) -> float:
-        return _intersection(_union(self.draft), _union(self.verify))
+        return overlap(self.draft, self.verify)
 
 
 class Orchestrator:
@@ -1027,19 +1028,3 @@ def _text_delta(run: _Run, final: bool) -> str:
     return delta
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    total = 0.0
-    for s1, e1 in a:
-        for s2, e2 in b:
-            total += max(0.0, min(e1, e2) - max(s1, s2))
-    return total

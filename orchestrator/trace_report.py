@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from orchestrator.intervals import intersections, overlap
 from orchestrator.tracing import DRAFT_SPAN, ITERATION_SPAN, REQUEST_SPAN, VERIFY_SPAN
 
 ENGINE_SUFFIXES = (".forward", ".verification", ".score")  # verifier.score: a forward pass, nothing else
@@ -107,29 +108,8 @@ class RequestRun:
         return (self.end_ns - self.start_ns) / 1e9
 
 
-def _union(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def intersections(a: Iterable[tuple[int, int]], b: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The pieces of time inside both unions."""
-    out = []
-    for s1, e1 in _union(a):
-        for s2, e2 in _union(b):
-            s, e = max(s1, s2), min(e1, e2)
-            if e > s:
-                out.append((s, e))
-    return out
-
-
 def overlap_seconds(a: Iterable[tuple[int, int]], b: Iterable[tuple[int, int]]) -> float:
-    return float(sum(e - s for s, e in intersections(a, b)))
+    return overlap(a, b)
 
 
 def build_runs(spans: Sequence[dict[str, Any]]) -> list[RequestRun]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.api import GenerationRequest, GenerationResult
-from orchestrator.trace_report import intersections
+from orchestrator.intervals import intersections
 from orchestrator.tracing import DRAFT_SPAN, ITERATION_SPAN, REQUEST_SPAN, VERIFY_SPAN, configure_tracing
 
 from .support import Node, OtlpReceiver, ancestors, by_id, named, node_env, scrape, total

@@ -17,8 +17,9 @@ from orch_helpers import FlakyDrafter, ForgetfulClient, hf_greedy, race_referenc
 from orchestrator.api import GenerationRequest
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
+from orchestrator.intervals import overlap, union
 from orchestrator.scheduling import rank_acceptance_from_calibration
-from orchestrator.speculation import Orchestrator, _intersection, _union
+from orchestrator.speculation import Orchestrator
 from orchestrator.store import MemoryStore, RedisStore
 from specdec.engine.api import InvalidRequest, SessionGone
 from specdec.engine.drafter import DrafterEngine
@@ -432,6 +433,6 @@ async def test_calibrated_tree_shapes(make_orchestrator):
 def test_overlap_arithmetic():
     draft = [(0.0, 1.0), (2.0, 3.0)]
     verify = [(0.5, 2.5), (2.4, 2.6)]  # overlapping verifier calls count once
-    assert _union(verify) == [(0.5, 2.6)]
-    assert _intersection(_union(draft), _union(verify)) == pytest.approx(0.5 + 0.6)
-    assert _intersection(_union([(0.0, 1.0)]), _union([(1.0, 2.0)])) == 0.0
+    assert union(verify) == [(0.5, 2.6)]
+    assert overlap(draft, verify) == pytest.approx(0.5 + 0.6)
+    assert overlap([(0.0, 1.0)], [(1.0, 2.0)]) == 0.0
