@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.intervals import covered
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,21 +153,9 @@ class CallLog:
         self.calls.clear()
         self.iterations += 1
         self.iteration_seconds += max(0.0, record.end - record.start)
-        self.busy_seconds += _union_length(intervals)
+        self.busy_seconds += covered(intervals)
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, current = 0.0, None
-    for start, end in sorted(intervals):
-        if current is None or start > current[1]:
-            if current is not None:
-                total += current[1] - current[0]
-            current = [start, end]
-        else:
-            current[1] = max(current[1], end)
-    if current is not None:
-        total += current[1] - current[0]
-    return total
 
 
 class TimedDrafter:

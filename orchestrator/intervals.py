@@ -23,6 +23,11 @@ def union(intervals: Iterable[tuple[T, T]]) -> list[tuple[T, T]]:
     return merged
 
 
+def covered(intervals: Iterable[tuple[T, T]]) -> float:
+    """Total length of time inside at least one interval."""
+    return float(sum(end - start for start, end in union(intervals)))
+
+
 def intersections(a: Iterable[tuple[T, T]], b: Iterable[tuple[T, T]]) -> list[tuple[T, T]]:
     """The pieces of time inside both unions."""
     out: list[tuple[T, T]] = []

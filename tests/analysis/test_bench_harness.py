@@ -13,7 +13,6 @@ from rich.console import Console
 from bench.run import (
     BenchSettings,
     CallLog,
-    _union_length,
     build_configs,
     markdown_table,
     parser,
@@ -22,12 +21,13 @@ from bench.run import (
     settings_from_args,
     to_argv,
 )
+from orchestrator.intervals import covered
 
 
 def test_union_length() -> None:
-    assert _union_length([]) == 0.0
-    assert _union_length([(0, 1), (2, 3)]) == pytest.approx(2.0)
-    assert _union_length([(0, 2), (1, 3), (5, 6)]) == pytest.approx(4.0)
+    assert covered([]) == 0.0
+    assert covered([(0, 1), (2, 3)]) == pytest.approx(2.0)
+    assert covered([(0, 2), (1, 3), (5, 6)]) == pytest.approx(4.0)
 
 
 def test_overhead_counts_sequential_calls_fully_and_concurrent_ones_once() -> None:
