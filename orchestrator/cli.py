@@ -206,7 +206,9 @@ def models_list(
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Registry name or path (HF folder or .gguf).")]
 HostOpt = Annotated[str, typer.Option("--host", help="Interface to listen on.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="torch device of the model (cpu, cuda, mps).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="Weights dtype: float32, bfloat16 or float16.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help=(
+    "Weights precision: float32, bfloat16, float16, or int8 (every Linear dynamically quantised to "
+    "int8 per channel; CPU only; several times faster than float32 on CPUs without bf16 units)."))]
 ThreadsOpt = Annotated[int | None, typer.Option(
     "--threads", help="torch CPU threads. Default: the number of --cores, else torch's default.",
     show_default=False)]
@@ -775,6 +777,10 @@ def generate(
         "--pipeline/--no-pipeline", help="Pre-draft the next block while the verifier checks this one "
         "(token, block, ersd, rd at K = k_max; exact either way). Default: the orchestrator's (off).",
         show_default=False)] = None,
+    pipeline_max_k: Annotated[int | None, typer.Option(
+        "--pipeline-max-k", help="With --pipeline (token, block, ersd): let a pre-drafted block grow until "
+        "the verifier answers, up to this many tokens; 0 = pre-drafts have length k. Default: the "
+        "orchestrator's.", show_default=False)] = None,
     temperature: Annotated[float, typer.Option(
         "--temperature", "-t", help="Sampling temperature; 0 = greedy.")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")] = 0,
@@ -820,7 +826,8 @@ def generate(
         code = asyncio.run(_generate(
             prompt=texts[0] if texts else None, prompt_ids=ids, address=address, draft=draft, target=target,
             device=device, dtype=dtype, threads=threads, method=method, k=k, tree_budget=tree_budget, a=a,
-            pipeline=pipeline, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            pipeline=pipeline, pipeline_max_k=pipeline_max_k, temperature=temperature, top_k=top_k,
+            top_p=top_p, seed=seed,
             max_new_tokens=max_new_tokens, stop=stop or [],
             ignore_eos=ignore_eos, num_samples=num_samples, as_json=as_json, stream=stream, timeout=timeout,
             observability=ObservabilityOptions(trace_file, otlp_endpoint)))
@@ -831,7 +838,7 @@ def generate(
 
 
 async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype, threads, method, k,
-                    tree_budget, a, pipeline,
+                    tree_budget, a, pipeline, pipeline_max_k,
                     temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos, num_samples, as_json,
                     stream, timeout, observability: ObservabilityOptions) -> int:
     """Run the samples; returns the exit code (errors are printed here as one line)."""
@@ -855,7 +862,7 @@ async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype
                     prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                     stop=list(stop), stop_token_ids=[] if ignore_eos else None,
                     seed=None if seed is None else seed + sample, method=method, k=k, tree_budget=tree_budget,
-                    a=a, pipeline=pipeline)
+                    a=a, pipeline=pipeline, pipeline_max_k=pipeline_max_k)
                 if num_samples > 1 and not as_json:
                     err.print(f"[bold]── sample {sample + 1}/{num_samples}[/]")
                 result = await (_stream_one(client, request, sample, as_json) if stream

@@ -37,6 +37,10 @@ class OrchestratorConfig(BaseSettings):
     # give. Sequence methods only (token, block, ersd without a tree; rd when K = k_max). A
     # request may override it (GenerationRequest.pipeline).
     pipeline: bool = False
+    # Pipelined token/block/ersd: a pre-drafted block keeps growing until the verifier answers,
+    # up to this many tokens (0 = pre-drafts have the draft length k). A fresh draft (after a
+    # rejection) still has length k. Request override: GenerationRequest.pipeline_max_k.
+    pipeline_max_k: int = Field(0, ge=0)
 
     max_k: int = Field(16, ge=1)
     max_tree_budget: int = Field(64, ge=1)

@@ -34,6 +34,14 @@ prefix would be (same context, same stream): distributed like a fresh draft give
 the acceptance rules are unchanged, hence the law of the output is unchanged. With a seed,
 pipelined and sequential runs even emit the same tokens (up to floating-point differences of
 the drafter's cache paths, which can move a sampled draft token but never the output's law).
+
+Adaptive draft length (`pipeline_max_k` > 0; token, block, ersd). The pre-draft is made one
+token per drafter call and keeps growing until the verifier answers (or the cap is reached);
+the next block is whatever was drafted by then, so the drafter is never idle while the target
+works. The block's length is decided by the clock, i.e. by when the verifier answers, never by
+the values of the tokens in the block, and every acceptance rule is exact for any draft length
+fixed independently of the draft's values; so the law of the output is unchanged. Seeded runs
+are then reproducible in law only, not token for token (the lengths depend on timing).
 """
 
 from __future__ import annotations
@@ -133,6 +141,7 @@ class _Run:
     epoch0: float = field(default_factory=time.time)
     probe: Any = None  # the observer's RequestProbe of this run (tracing, metrics), if any
     pipeline: bool = False
+    pipeline_max_k: int = 0  # > 0: adaptive pre-draft length (see "Adaptive draft length")
     predraft: _PreDraft | None = None  # the next block, drafted while the last one was verified
     drafter_pending: asyncio.Task | None = None  # an abandoned pre-draft still in its drafter call
 
@@ -156,6 +165,7 @@ class _Run:
             "stop_token_ids": sorted(self.stop_ids),
             "rank_acceptance": list(self.rank_acceptance),
             "pipeline": self.pipeline,
+            "pipeline_max_k": self.pipeline_max_k,
         }
 
 
@@ -350,6 +360,7 @@ class Orchestrator:
         _check_ids("stop_token_ids", stop_ids, target.vocab_size)
         if request.pipeline is not None and not isinstance(request.pipeline, bool):
             raise InvalidRequest(f"pipeline must be a boolean or None, got {request.pipeline!r}")
+        _check_range("pipeline_max_k", request.pipeline_max_k, config.max_k)
         if request.seed is not None and not isinstance(request.seed, int):
             raise InvalidRequest(f"seed must be an integer, got {request.seed!r}")
 
@@ -389,6 +400,7 @@ class Orchestrator:
             stats=GenerationStats(),
             rank_acceptance=rank_acceptance,
             pipeline=config.pipeline if request.pipeline is None else request.pipeline,
+            pipeline_max_k=min(config.max_k, _pick(request.pipeline_max_k, config.pipeline_max_k)),
         )
         await self._save(run, "running")
         return run
@@ -423,6 +435,7 @@ class Orchestrator:
             stats=GenerationStats(**record.stats) if record.stats else GenerationStats(),
             rank_acceptance=list(p["rank_acceptance"]),
             pipeline=bool(p.get("pipeline", False)),
+            pipeline_max_k=int(p.get("pipeline_max_k", 0)),
         )
 
     # the loop ----------------------------------------------------------------------------------
@@ -671,8 +684,10 @@ class Orchestrator:
             outcome = await self._verify(run, committed, tree, method, params, probs, timeline)
             return tree, outcome
         context = committed + list(tree.tokens)
-        abandon = asyncio.Event()
-        task = asyncio.create_task(self._predraft(run, context, next_k, strategy, want, timeline, abandon))
+        abandon, answered = asyncio.Event(), asyncio.Event()
+        grow = answered if _adaptive(run) else None
+        look_ahead = self._predraft(run, context, next_k, strategy, want, timeline, abandon, grow)
+        task = asyncio.create_task(look_ahead)
         try:
             outcome = await self._verify(run, committed, tree, method, params, probs, timeline)
         except BaseException:
@@ -680,6 +695,7 @@ class Orchestrator:
             run.drafter_pending = task
             await self._settle_drafter(run)
             raise
+        answered.set()
         if len(outcome.accepted_nodes) < len(tree):  # the assumed context cannot come true
             abandon.set()
             run.drafter_pending = task  # the next drafter call waits for it
@@ -713,6 +729,9 @@ class Orchestrator:
             return 0
         position = len(committed) + len(tree) + 1
         next_k = min(run.k, self._depth_cap(position))
+        if _adaptive(run):  # the cap of a growing pre-draft
+            left = run.max_new_tokens - len(run.generated) - len(tree) - 1
+            next_k = min(run.pipeline_max_k, self._depth_cap(position), left)
         if next_k <= 0:
             return 0
         if method == "rd":
@@ -723,11 +742,12 @@ class Orchestrator:
 
     async def _predraft(
         self, run: _Run, context: list[int], k: int, strategy: str, want: bool, timeline: _Timeline,
-        abandon: asyncio.Event,
+        abandon: asyncio.Event, grow_until: asyncio.Event | None = None,
     ) -> _PreDraft | None:
         """Guess the bonus token after `context` from the drafter's row, then draft k tokens after it.
 
-        Returns None when abandoned (the verifier rejected part of the block) before the second call.
+        With `grow_until`, draft one token per call until that event is set (or k tokens). Returns
+        None when abandoned (the verifier rejected part of the block) before any block was drafted.
         """
         row = _rows(await self._draft(run, context, [], "sample", True, timeline), 1)[0]
         if abandon.is_set():
@@ -737,14 +757,28 @@ class Orchestrator:
         else:
             bonus = int(torch.argmax(row))  # first maximum: lowest id on ties
         assumed = context + [int(bonus)]
-        block = await self._draft(run, assumed, scheduling.sequence_shape(k), strategy, want, timeline)
-        return _PreDraft(assumed, block)
+        if grow_until is None:
+            block = await self._draft(run, assumed, scheduling.sequence_shape(k), strategy, want, timeline)
+            return _PreDraft(assumed, block)
+        steps: list[DraftResult] = []
+        while len(steps) < k and not grow_until.is_set() and not abandon.is_set():
+            grown = assumed + [t for step in steps for t in step.tokens]
+            step = await self._draft(run, grown, scheduling.sequence_shape(1), strategy, want, timeline)
+            if len(step.tokens) != 1:  # the drafter stopped short (context full)
+                break
+            steps.append(step)
+        if not steps or abandon.is_set():
+            return None
+        return _PreDraft(assumed, _chain(steps, want))
 
     def _take_predraft(self, run: _Run, committed: list[int], k: int) -> DraftResult | None:
+        """The pre-drafted block for `committed`, if its context came true (any length when adaptive)."""
         predraft, run.predraft = run.predraft, None
         if predraft is None:
             return None
-        if predraft.context != committed or len(predraft.draft.tokens) != k:
+        length = len(predraft.draft.tokens)
+        fits = 0 < length <= run.pipeline_max_k if _adaptive(run) else length == k
+        if predraft.context != committed or not fits:
             run.stats.pre_drafts_dropped += 1
             return None
         run.stats.pre_drafts_used += 1
@@ -962,6 +996,30 @@ async def _both(first: Awaitable[Any], second: Awaitable[Any]) -> tuple[Any, Any
         errors.sort(key=lambda e: isinstance(e, _DrafterDown))
         raise errors[0]
     return results[0], results[1]
+
+
+def _pick(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _adaptive(run: _Run) -> bool:
+    """Pre-drafts of this run grow until the verifier answers (rd keeps its coin-fixed lengths)."""
+    return run.pipeline_max_k > 0 and run.method != "rd"
+
+
+def _chain(steps: Sequence[DraftResult], want: bool) -> DraftResult:
+    """One sequence draft from one-token drafts made one after another (rows in the same layout)."""
+    tokens = [step.tokens[0] for step in steps]
+    probs = None
+    if want:
+        first_rows = [_rows(step, 1) for step in steps]
+        probs = torch.cat(first_rows + [torch.zeros_like(first_rows[0])])  # the leaf row stays zero
+    return DraftResult(
+        tokens=tokens,
+        parents=list(range(-1, len(tokens) - 1)),
+        draft_probs=probs,
+        forward_seconds=sum(step.forward_seconds for step in steps),
+    )
 
 
 def _rows(draft: DraftResult, n: int) -> torch.Tensor:

@@ -321,6 +321,8 @@ def generation_request_to_proto(req: GenerationRequest) -> generation_pb2.Genera
         msg.tree_budget = int(req.tree_budget)
     if req.pipeline is not None:
         msg.pipeline = bool(req.pipeline)
+    if req.pipeline_max_k is not None:
+        msg.pipeline_max_k = int(req.pipeline_max_k)
     return msg
 
 
@@ -340,6 +342,7 @@ def generation_request_from_proto(msg: generation_pb2.GenerationRequest) -> Gene
         request_id=msg.request_id if msg.HasField("request_id") else None,
         tree_budget=msg.tree_budget if msg.HasField("tree_budget") else None,
         pipeline=msg.pipeline if msg.HasField("pipeline") else None,
+        pipeline_max_k=msg.pipeline_max_k if msg.HasField("pipeline_max_k") else None,
     )
 
 

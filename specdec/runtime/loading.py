@@ -32,6 +32,12 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# Weights kept in float32, every nn.Linear replaced by torch's dynamically quantised int8 Linear
+# (per-channel weight scales, activations quantised per call). CPU only. On the 2-core dev machine
+# (AVX2) it makes a 1.5B target's one-token forward ~2.9x faster and a 9-token one ~5x faster
+# than float32; it changes the model's distribution, so compare against a baseline at int8 too.
+INT8 = "int8"
+PRECISIONS = (*DTYPES, INT8)
 SOURCE_FILE = "specdec_source.json"  # written into converted directories: where they came from
 _HASH_CACHE_FILE = "hashes.json"
 _hash_lock = threading.Lock()
@@ -249,6 +255,17 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def quantize_int8(model: Any) -> Any:
+    """Replace every nn.Linear by a dynamically quantised int8 one (in place; returns the model)."""
+    import warnings
+
+    with warnings.catch_warnings():  # torch.ao's eager quantisation warns that it moves to torchao
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(
+            model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+        )
+
+
 def load_model(
     path: str | Path,
     device: str = "cpu",
@@ -260,8 +277,10 @@ def load_model(
     """Load a model for the engines. `attn_implementation` must honour custom 4D masks (sdpa, eager)."""
     from transformers import AutoModelForCausalLM
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
+    if dtype == INT8 and torch.device(device).type != "cpu":
+        raise ValueError(f"dtype int8 (dynamic quantisation) runs on the CPU only, not on {device!r}")
     if threads is not None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -270,7 +289,7 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(directory),
-            dtype=DTYPES[dtype],
+            dtype=DTYPES.get(dtype, torch.float32),
             attn_implementation=attn_implementation,
             local_files_only=True,
         )
@@ -283,8 +302,12 @@ def load_model(
     model_id = directory.name
     if source_file.exists():
         model_id = json.loads(source_file.read_text()).get("model_id", model_id)
+    if dtype != "float32":  # another precision is another distribution (α, calibration differ)
+        model_id = f"{model_id}@{dtype}"
     output = model.get_output_embeddings()
     vocab_size = int(output.weight.shape[0]) if output is not None else int(model.config.vocab_size)
+    if dtype == INT8:
+        model = quantize_int8(model)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     info = ModelInfo(
         model_id=model_id,

@@ -10,6 +10,7 @@ and drafter = target, the pre-drafts are used and their calls overlap the verifi
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -194,3 +195,95 @@ async def test_pipelined_output_is_distributed_as_the_target(fidelity_pair, meth
     assert min(joint, first_p) > P_THRESHOLD, f"{method}: chi-square p = {joint:.2e} / {first_p:.2e}"
     used = sum(s.pre_drafts_used for s in stats)
     assert used > SAMPLES // 10, f"pre-drafts used in only {used} of {SAMPLES} requests"
+
+
+# ------------------------------------------------------------------------------------------------
+# adaptive draft length: a pre-draft grows until the verifier answers (pipeline_max_k > 0)
+
+
+async def test_adaptive_predrafts_grow_while_the_verifier_works(model_dirs, loaded):
+    """Drafter = target (greedy pre-drafts come true); a verifier 10x slower lets them grow past k."""
+
+    def slowed(sleep_s: float):
+        loaded_model = load_model(model_dirs["target"], threads=1)
+        loaded_model.model.register_forward_pre_hook(lambda module, args: time.sleep(sleep_s))
+        return loaded_model
+
+    orch = Orchestrator(InProcessDrafterClient(DrafterEngine(slowed(0.005))),
+                        InProcessVerifierClient(VerifierEngine(slowed(0.05))),
+                        OrchestratorConfig(pipeline=True, pipeline_max_k=6))
+    result = await orch.generate(_request(PROMPTS[0], 30, "token", GREEDY, k=2))
+    assert result.token_ids == hf_greedy(loaded["target"].model, PROMPTS[0], 30)
+    assert result.stats.pre_drafts_used >= 2, result.stats
+    lengths = [r.num_drafted for r in result.iterations]
+    assert max(lengths) > 2 and all(n <= 6 for n in lengths), lengths
+    _check_records(result)
+
+
+@pytest.mark.parametrize("method,knobs", PIPELINED[:3], ids=IDS[:3])
+async def test_adaptive_greedy_equals_hf_generate(make_orchestrator, loaded, method, knobs):
+    orch = make_orchestrator(pipeline=True, pipeline_max_k=5)
+    for prompt in PROMPTS:
+        result = await orch.generate(_request(prompt, 20, method, GREEDY, seed=3, **knobs))
+        assert result.token_ids == hf_greedy(loaded["target"].model, prompt, 20), (method, prompt)
+        _check_records(result)
+
+
+async def test_adaptive_cap_is_validated(make_orchestrator):
+    orch = make_orchestrator(pipeline=True)
+    with pytest.raises(InvalidRequest, match="pipeline_max_k"):
+        await orch.generate(_request(PROMPTS[0], 4, "token", GREEDY, pipeline_max_k=10_000))
+
+
+ADAPTIVE_SAMPLES = 1000
+
+
+class _LateVerifier:
+    """Answers verify calls 80 ms late (without holding the engine), so pre-drafts have time to grow
+    although 8 concurrent requests share the one drafter engine."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def verify(self, request):
+        outcome = await self.inner.verify(request)
+        await asyncio.sleep(0.08)
+        return outcome
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["token", "ersd"])  # sampled rows chained / races (block: as token)
+async def test_adaptive_output_is_distributed_as_the_target(fidelity_pair, method):
+    """5 tokens per request, the first 3 tested: pre-drafts of 1 to 3 tokens (by timing) are in them.
+
+    The drafter runs a copy of the target, so that whole pre-drafts come true often (the bonus
+    guess is the drafter's argmax); the acceptance rules still see the chained draft rows, and a
+    row out of place would change acceptance away from 1 and show in the test.
+    """
+    from test_orch_fidelity import P_THRESHOLD, PROMPT
+
+    target, verifier, _ = fidelity_pair
+    drafter = DrafterEngine(load_model(target.directory, threads=1))
+    orch = Orchestrator(InProcessDrafterClient(drafter), _LateVerifier(InProcessVerifierClient(verifier)),
+                        OrchestratorConfig(pipeline=True, pipeline_max_k=3))
+    first = 11_000_000 + 1_000_000 * ["token", "ersd"].index(method)
+    lengths: list[int] = []
+
+    async def one(seed: int) -> tuple:
+        result = await orch.generate(GenerationRequest(
+            prompt_ids=PROMPT, max_new_tokens=5, sampling=SAMPLE, seed=seed, method=method, k=1,
+            stop_token_ids=[]))
+        lengths.extend(r.num_drafted for r in result.iterations[1:] if r.drafted)
+        return tuple(result.token_ids[:3])
+
+    samples: list[tuple] = []
+    for start in range(first, first + ADAPTIVE_SAMPLES, 8):
+        samples += await asyncio.gather(*(one(s) for s in range(start, start + 8)))
+    exact = exact_distribution(target.model, PROMPT, SamplingParams(1.0), 6)
+    joint, first_p = p_values(samples, exact)
+    assert min(joint, first_p) > P_THRESHOLD, f"{method}: chi-square p = {joint:.2e} / {first_p:.2e}"
+    grown = sum(n > 1 for n in lengths)
+    assert grown > ADAPTIVE_SAMPLES // 10, f"only {grown} grown pre-drafts verified"

@@ -95,6 +95,28 @@ def test_hf_directory_info(tiny_dir):
     assert os.environ["HF_HUB_OFFLINE"] == "1"
 
 
+def test_int8_quantises_every_linear_and_stays_close(tiny_dir):
+    from specdec.engine.api import DraftRequest
+    from specdec.engine.drafter import DrafterEngine
+    from specdec.sampling import SamplingParams
+
+    exact, quantised = load_model(tiny_dir), load_model(tiny_dir, dtype="int8")
+    assert (quantised.info.dtype, quantised.info.vocab_size) == ("int8", exact.info.vocab_size)
+    assert quantised.info.model_id == f"{exact.info.model_id}@int8"  # its own calibration key
+    linear = [m for m in quantised.model.modules() if type(m) is torch.nn.Linear]
+    dynamic = [m for m in quantised.model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
+    assert not linear and dynamic
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        p = torch.softmax(exact.model(ids).logits, -1)
+        q = torch.softmax(quantised.model(ids).logits, -1)
+    assert 0 < (p - q).abs().sum(-1).max() < 0.2  # changed (it is another distribution), but slightly
+    # the engines' cached, masked forward paths work on the quantised modules
+    result = DrafterEngine(quantised).draft(DraftRequest(
+        "s", 0, [1, 2, 3], [-1, 0, 1], SamplingParams(1.0), seed=1, want_distributions=True))
+    assert len(result.tokens) == 3 and torch.allclose(result.draft_probs[:3].sum(-1), torch.ones(3))
+
+
 def test_gguf_is_converted_once_and_matches(tmp_path, monkeypatch):
     home = tmp_path / "home"
     source = tmp_path / "tiny-q8.gguf"
@@ -157,7 +179,9 @@ def test_missing_and_invalid_paths(tmp_path):
 
 def test_bad_options(tiny_dir):
     with pytest.raises(ValueError, match="dtype"):
-        load_model(tiny_dir, dtype="int8")
+        load_model(tiny_dir, dtype="int4")
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model(tiny_dir, dtype="int8", device="cuda")
     with pytest.raises(ValueError, match="threads"):
         load_model(tiny_dir, threads=0)
     before = torch.get_num_threads()

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerationRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline", "pipeline_max_k")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class GenerationRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_MAX_K_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _common_pb2.TokenIds
     max_new_tokens: int
@@ -37,7 +38,8 @@ class GenerationRequest(_message.Message):
     request_id: str
     tree_budget: int
     pipeline: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ...) -> None: ...
+    pipeline_max_k: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ..., pipeline_max_k: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("iterations", "drafted_iterations", "drafted_tokens", "accepted_tokens", "new_tokens", "seconds", "draft_seconds", "verify_seconds", "overlap_seconds", "accepted_per_position", "drafted_per_position", "fallback_iterations", "tokens_per_second", "acceptance_rate", "pre_drafts_used", "pre_drafts_dropped")
