@@ -69,7 +69,11 @@ class BenchSettings:
     block_check_k: int | None = 8  # also run token and block at this k (block-efficiency check)
     sweep_repeats: int = 1  # repeats of the sweep / check configurations
     grpc: bool = True
-    grpc_methods: tuple[str, ...] = ("token", "rd")
+    grpc_methods: tuple[str, ...] = ("token", "block", "ersd", "gsd-tree", "rd")
+    # Also run these over gRPC in pipelined mode (pre-draft while verifying; rd only where K = k_max)
+    # and, except rd, with adaptive pre-draft length up to pipeline_max_k tokens (0 = not).
+    pipeline_methods: tuple[str, ...] = ("token", "block", "ersd", "rd")
+    pipeline_max_k: int = 12
     hf_assisted: bool = True
     analysis_prompts: int | None = None  # None → num_prompts
     analysis_tokens: int = 32
@@ -93,6 +97,8 @@ class RunConfig:
     a: float | None = None
     tree_budget: int | None = None
     repeats: int = 1
+    pipeline: bool = False
+    pipeline_max_k: int = 0  # > 0: adaptive pre-draft length (pipelined only)
 
 
 @dataclass
@@ -107,6 +113,10 @@ class RunRecord:
     accepted: int = 0
     iterations: int = 0
     iteration_seconds: float = 0.0
+    pre_drafts_used: int = 0
+    pre_drafts_dropped: int = 0
+    overlap_seconds: float = 0.0  # drafter and verifier both busy (the orchestrator's measure)
+    verifier_busy_seconds: float = 0.0  # verifier calls in flight (the orchestrator's measure)
     busy_seconds: float = 0.0
     overhead_seconds: float = 0.0
     # Decode phase: everything after the step that produced the first new token(s), so that the
@@ -292,6 +302,8 @@ async def run_pipeline(
         k=cfg.k,
         a=cfg.a,
         tree_budget=cfg.tree_budget,
+        pipeline=cfg.pipeline,
+        pipeline_max_k=cfg.pipeline_max_k,
     )
     log.reset()
     began = time.perf_counter()
@@ -310,6 +322,10 @@ async def run_pipeline(
         accepted=stats.accepted_tokens,
         iterations=log.iterations,
         iteration_seconds=log.iteration_seconds,
+        pre_drafts_used=stats.pre_drafts_used,
+        pre_drafts_dropped=stats.pre_drafts_dropped,
+        overlap_seconds=stats.overlap_seconds,
+        verifier_busy_seconds=stats.verify_seconds,
         busy_seconds=log.busy_seconds,
         overhead_seconds=max(0.0, log.iteration_seconds - log.busy_seconds),
         decode_tokens=len(result.token_ids) - len(first.emitted),
@@ -329,7 +345,8 @@ def build_configs(settings: BenchSettings, analysis) -> list[RunConfig]:
     ersd_budget = int(plan["tree"]["ersd"]["budget"])
     main, extra = settings.repeats, min(settings.sweep_repeats, settings.repeats)
 
-    def pipeline(method: str, transport: str, repeats: int, **kw) -> RunConfig:
+    def pipeline(method: str, transport: str, repeats: int, pipelined: bool = False, max_k: int = 0,
+                 **kw) -> RunConfig:
         suffix = ",".join(
             f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
             for key, value in kw.items()
@@ -337,17 +354,26 @@ def build_configs(settings: BenchSettings, analysis) -> list[RunConfig]:
         )
         prefix = "grpc" if transport == "grpc" else "inproc"
         name = f"{prefix}:{method}" + (f"({suffix})" if suffix else "")
+        if pipelined:
+            name += f"+pipelined(adaptive ≤{max_k})" if max_k else "+pipelined"
         real = "ersd" if method == "ersd-tree" else method
-        return RunConfig(name, "pipeline", transport, real, repeats=repeats, **kw)
+        return RunConfig(name, "pipeline", transport, real, repeats=repeats, pipeline=pipelined,
+                         pipeline_max_k=max_k, **kw)
 
-    def for_method(method: str, transport: str, repeats: int) -> RunConfig:
+    def for_method(method: str, transport: str, repeats: int, pipelined: bool = False,
+                   max_k: int = 0) -> RunConfig:
+        extra = {"pipelined": pipelined, "max_k": max_k}
         if method == "rd":
-            return pipeline("rd", transport, repeats, k=rd_k, a=round(a_star, 4))
+            # RD pipelines only where K = k_max, so a = 1 (always draft k_max) is its pipelined form
+            # when the analyser's a* is 0 (never draft: nothing to pipeline).
+            a = 1.0 if pipelined and a_star == 0.0 else round(a_star, 4)
+            k_rd = max(rd_k, k) if pipelined and a_star == 0.0 else rd_k
+            return pipeline("rd", transport, repeats, k=k_rd, a=a, **extra)
         if method == "gsd-tree":
-            return pipeline("gsd-tree", transport, repeats, tree_budget=budget)
+            return pipeline("gsd-tree", transport, repeats, tree_budget=budget, **extra)
         if method == "ersd-tree":
-            return pipeline("ersd-tree", transport, repeats, tree_budget=ersd_budget)
-        return pipeline(method, transport, repeats, k=k)
+            return pipeline("ersd-tree", transport, repeats, tree_budget=ersd_budget, **extra)
+        return pipeline(method, transport, repeats, k=k, **extra)
 
     configs = [RunConfig("baseline (HF generate)", "baseline", "-", repeats=main)]
     if settings.hf_assisted:
@@ -365,6 +391,11 @@ def build_configs(settings: BenchSettings, analysis) -> list[RunConfig]:
     if settings.grpc:
         for method in settings.grpc_methods:
             configs.append(for_method(method, "grpc", main))
+        for method in settings.pipeline_methods:
+            configs.append(for_method(method, "grpc", main, pipelined=True))
+            if settings.pipeline_max_k and method != "rd":
+                max_k = settings.pipeline_max_k
+                configs.append(for_method(method, "grpc", main, pipelined=True, max_k=max_k))
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate configuration names: {names}")
@@ -641,6 +672,10 @@ def _median_rate(
     return statistics.median(values) if values else None
 
 
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
 def summarise(configs: Sequence[RunConfig], records: Sequence[RunRecord], analysis) -> list[dict[str, Any]]:
     """One row per configuration: medians over repeats.
 
@@ -690,6 +725,13 @@ def summarise(configs: Sequence[RunConfig], records: Sequence[RunRecord], analys
             "acceptance": sum(r.accepted for r in rs) / drafted if drafted else None,
             "overhead_fraction": overhead / iteration_seconds if iteration_seconds else None,
             "overhead_ms_per_iteration": 1000 * overhead / iterations if iterations else None,
+            "pipelined": cfg.pipeline,
+            "pre_drafts_used": sum(r.pre_drafts_used for r in rs),
+            "pre_drafts_dropped": sum(r.pre_drafts_dropped for r in rs),
+            # share of the verifier's busy time during which the drafter was busy as well
+            "overlap_share": _ratio(
+                sum(r.overlap_seconds for r in rs), sum(r.verifier_busy_seconds for r in rs)
+            ),
             "predicted_speedup": None,
             "predicted_speedup_timed": None,
             "fraction_of_analytic": None,
@@ -768,6 +810,8 @@ def render_table(results: dict[str, Any], console=None) -> None:
         "tokens/target call",
         "acceptance",
         "overhead",
+        "overlap",
+        "pre-drafts used/dropped",
         "predicted",
         "achieved",
     ):
@@ -784,6 +828,8 @@ def render_table(results: dict[str, Any], console=None) -> None:
             _fmt(
                 row["overhead_fraction"] * 100 if row["overhead_fraction"] is not None else None, ".1f", "%"
             ),
+            _percent(row.get("overlap_share")),
+            _predrafts(row),
             _fmt(row["predicted_speedup"], ".2f", "×"),
             _fmt(
                 row["fraction_of_analytic"] * 100 if row["fraction_of_analytic"] is not None else None,
@@ -794,11 +840,22 @@ def render_table(results: dict[str, Any], console=None) -> None:
     console.print(table)
 
 
+def _percent(value: float | None) -> str:
+    return _fmt(value * 100 if value is not None else None, ".0f", "%")
+
+
+def _predrafts(row: dict[str, Any]) -> str:
+    if not row.get("pipelined"):
+        return "–"
+    return f"{row.get('pre_drafts_used', 0)} / {row.get('pre_drafts_dropped', 0)}"
+
+
 def markdown_table(results: dict[str, Any]) -> str:
     lines = [
         "| configuration | runs | tok/s (end to end) | decode tok/s | decode speedup | tokens / target call "
-        "| acceptance | overhead | predicted speedup (formula / timed) | achieved vs formula |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| acceptance | overhead | draft/verify overlap | pre-drafts used / dropped "
+        "| predicted speedup (formula / timed) | achieved vs formula |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["summary"]:
         overhead = row["overhead_fraction"]
@@ -808,6 +865,7 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"| {_fmt(row['decode_tokens_per_second'])} | {_fmt(row['speedup'], '.2f', '×')} "
             f"| {_fmt(row['block_efficiency'])} | {_fmt(row['acceptance'], '.3f')} "
             f"| {_fmt(overhead * 100 if overhead is not None else None, '.1f', '%')} "
+            f"| {_percent(row.get('overlap_share'))} | {_predrafts(row)} "
             f"| {_fmt(row['predicted_speedup'], '.2f', '×')} "
             f"/ {_fmt(row['predicted_speedup_timed'], '.2f', '×')} "
             f"| {_fmt(frac * 100 if frac is not None else None, '.0f', '%')} |"
@@ -887,6 +945,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-repeats", type=int, default=d.sweep_repeats)
     p.add_argument("--no-grpc", dest="grpc", action="store_false")
     p.add_argument("--grpc-methods", type=_strings, default=d.grpc_methods)
+    p.add_argument("--pipeline-methods", type=_strings, default=d.pipeline_methods,
+                   help="also run these over gRPC pipelined (token, block, ersd, rd); '' = none")
+    p.add_argument("--pipeline-max-k", type=int, default=d.pipeline_max_k,
+                   help="cap of the adaptive pipelined variants (token, block, ersd); 0 = no such variants")
     p.add_argument("--no-hf-assisted", dest="hf_assisted", action="store_false")
     p.add_argument("--analysis-prompts", type=int, default=None)
     p.add_argument("--analysis-tokens", type=int, default=d.analysis_tokens)

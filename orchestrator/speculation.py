@@ -360,7 +360,7 @@ class Orchestrator:
         _check_ids("stop_token_ids", stop_ids, target.vocab_size)
         if request.pipeline is not None and not isinstance(request.pipeline, bool):
             raise InvalidRequest(f"pipeline must be a boolean or None, got {request.pipeline!r}")
-        _check_range("pipeline_max_k", request.pipeline_max_k, config.max_k)
+        _check_range("pipeline_max_k", request.pipeline_max_k, config.max_k, low=0)
         if request.seed is not None and not isinstance(request.seed, int):
             raise InvalidRequest(f"seed must be an integer, got {request.seed!r}")
 
@@ -1034,9 +1034,9 @@ def _rd_a(method: str, a: float | None, config: OrchestratorConfig) -> float | N
     return float(a) if a is not None else scheduling.default_a(config)
 
 
-def _check_range(name: str, value: int | None, limit: int) -> None:
-    if value is not None and (not isinstance(value, int) or not 1 <= value <= limit):
-        raise InvalidRequest(f"{name} must lie in 1..{limit}, got {value!r}")
+def _check_range(name: str, value: int | None, limit: int, low: int = 1) -> None:
+    if value is not None and (not isinstance(value, int) or not low <= value <= limit):
+        raise InvalidRequest(f"{name} must lie in {low}..{limit}, got {value!r}")
 
 
 def _check_ids(name: str, ids: Sequence[int], vocab: int) -> None:

@@ -176,10 +176,19 @@ def test_bench_over_grpc(tiny_dirs, tmp_path) -> None:
         hf_assisted=False,
         grpc=True,
         grpc_methods=("token", "rd"),
+        pipeline_methods=("token", "rd"),
+        pipeline_max_k=5,
         server_timeout_s=180.0,
     )
     results = run_bench(settings, progress=lambda message: None)
     grpc_rows = [row for row in results["summary"] if row["transport"] == "grpc"]
     assert {row["method"] for row in grpc_rows} == {"token", "rd"}
+    # sequential, pipelined and adaptive-pipelined token; sequential and pipelined rd
+    assert sorted((row["method"], row["pipelined"]) for row in grpc_rows) == [
+        ("rd", False), ("rd", True), ("token", False), ("token", True), ("token", True)]
+    assert any("adaptive ≤5" in row["name"] for row in grpc_rows)
     for row in grpc_rows:
         assert row["tokens_per_second"] > 0 and 0.0 <= row["overhead_fraction"] <= 1.0
+        if row["pipelined"] and row["method"] == "token":  # rd pipelines only where K = k_max
+            assert row["pre_drafts_used"] + row["pre_drafts_dropped"] > 0, row
+            assert 0.0 <= row["overlap_share"] <= 1.0 + 1e-9
