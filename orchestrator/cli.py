@@ -552,6 +552,9 @@ def up(
     startup_timeout: Annotated[float, typer.Option(
         "--startup-timeout", help="Seconds each service may take to load and pass its health check.")] =
         600.0,
+    drafter_restarts: Annotated[int, typer.Option(
+        "--drafter-restarts", min=0, help="Restart a drafter that dies this many times (meanwhile the "
+        "orchestrator generates target-only); 0 = a dead drafter stops everything.")] = 3,
     ready_file: Annotated[Path | None, typer.Option(
         "--ready-file", help="Once all three are healthy, write JSON {orchestrator, drafter, verifier, pids, "
         "log_dir, pid} to this file; it is removed on shutdown.", show_default=False)] = None,
@@ -568,7 +571,9 @@ def up(
     """Start drafter, verifier and orchestrator as three processes on this machine; stop them on Ctrl-C.
 
     Drafter and verifier are pinned to different cores; each service must pass its gRPC health
-    check before the next step. Ctrl-C / SIGTERM stops all three; if one dies, the others are
+    check before the next step. Ctrl-C / SIGTERM stops all three. If the drafter dies, the
+    orchestrator goes on target-only (exact, slower) while the drafter is restarted on its port
+    (up to --drafter-restarts times); if the verifier or the orchestrator dies, the others are
     stopped and the exit code is 1.
     """
     for option, value in (("--port", port), ("--drafter-port", drafter_port),
@@ -630,7 +635,7 @@ def up(
                 "log_dir": str(supervisor.log_dir), "pids": {c.name: c.pid for c in supervisor.children},
                 "pid": os.getpid(), "metrics": metrics,
             })
-        dead = supervisor.watch()
+        dead = _watch_restarting_the_drafter(supervisor, drafter_restarts, startup_timeout)
         if dead is not None:
             err.print(f"[bold red]error:[/] {escape(processes.describe_exit(dead))}")
             err.print("stopping the other services …")
@@ -651,6 +656,31 @@ def up(
     if exit_code == 0:
         err.print("all services stopped")
     raise typer.Exit(exit_code)
+
+
+def _watch_restarting_the_drafter(supervisor: processes.Supervisor, restarts: int,
+                                  startup_timeout: float) -> processes.Child | None:
+    """Watch the children; restart a dead drafter (the orchestrator runs target-only meanwhile).
+
+    Returns the child whose death ends `up` (a verifier, the orchestrator, or a drafter past its
+    restarts), or None when a stop was requested.
+    """
+    while True:
+        dead = supervisor.watch()
+        if dead is None or dead.name != "drafter" or restarts <= 0:
+            return dead
+        restarts -= 1
+        err.print(f"[yellow]warning:[/] {escape(processes.describe_exit(dead))}; the orchestrator "
+                  f"continues target-only; restarting the drafter ({restarts} restart(s) left) …")
+        drafter = supervisor.restart(dead)
+        try:
+            processes.wait_ready(drafter, startup_timeout, abort=supervisor.stop_requested)
+        except ProcessError as exc:
+            if supervisor.stop_requested.is_set():
+                return None
+            err.print(f"[yellow]warning:[/] the drafter did not come back: {escape(str(exc))}")
+            continue  # watch() reports it dead again and the count decides
+        err.print(f"[green]✓[/] drafter healthy again on {drafter.address}")
 
 
 def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str], metrics: dict[str, str],
@@ -775,7 +805,7 @@ def generate(
         show_default=False)] = None,
     pipeline: Annotated[bool | None, typer.Option(
         "--pipeline/--no-pipeline", help="Pre-draft the next block while the verifier checks this one "
-        "(token, block, ersd, rd at K = k_max; exact either way). Default: the orchestrator's (off).",
+        "(token, block, ersd, rd at K = k_max; exact either way). Default: the orchestrator's (on).",
         show_default=False)] = None,
     pipeline_max_k: Annotated[int | None, typer.Option(
         "--pipeline-max-k", help="With --pipeline (token, block, ersd): let a pre-drafted block grow until "

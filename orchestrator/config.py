@@ -35,8 +35,11 @@ class OrchestratorConfig(BaseSettings):
     # Pipelined speculation (orchestrator.speculation, "Pipelining"): while the verifier checks a
     # block, the drafter already drafts the next one from the prefix that full acceptance would
     # give. Sequence methods only (token, block, ersd without a tree; rd when K = k_max). A
-    # request may override it (GenerationRequest.pipeline).
-    pipeline: bool = False
+    # request may override it (GenerationRequest.pipeline). On by default: drafter and verifier
+    # have their own devices/cores, so the drafter's look-ahead costs at most the tail of one
+    # drafter call when it is dropped; on the default pair it measured faster than sequential
+    # speculation for every method (bench/RESULTS.md).
+    pipeline: bool = True
     # Pipelined token/block/ersd: a pre-drafted block keeps growing until the verifier answers,
     # up to this many tokens (0 = pre-drafts have the draft length k). A fresh draft (after a
     # rejection) still has length k. Request override: GenerationRequest.pipeline_max_k.

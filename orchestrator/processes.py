@@ -328,6 +328,19 @@ class Supervisor:
         self.children.append(child)
         return spawn(child, env=env)
 
+    def restart(self, dead: Child, env: dict[str, str] | None = None) -> Child:
+        """Start a dead child again in its place, on the port it had bound (its peers keep the address)."""
+        argv = list(dead.argv)
+        if dead.address and "--port" in argv:
+            argv[argv.index("--port") + 1] = dead.address.rsplit(":", 1)[1]
+        if dead._log_handle is not None:
+            with contextlib.suppress(Exception):
+                dead._log_handle.close()
+        fresh = Child(name=dead.name, argv=argv, ready_file=dead.ready_file, log_path=dead.log_path,
+                      cores=dead.cores)
+        self.children[self.children.index(dead)] = fresh
+        return spawn(fresh, env=env)
+
     def first_dead(self) -> Child | None:
         for child in self.children:
             if child.process is not None and child.process.poll() is not None:

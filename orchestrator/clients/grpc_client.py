@@ -41,6 +41,9 @@ from specdec.engine.api import (
 )
 
 DEFAULT_TIMEOUT_S = 60.0
+# gRPC's reconnect backoff grows to 120 s by default; a peer that `specdec up` (or Kubernetes)
+# restarts should be found within a couple of seconds, which is what these caps give.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
 DEFAULT_GENERATION_TIMEOUT_S = 600.0
 HEALTH_TIMEOUT_S = 2.0
 
@@ -64,7 +67,7 @@ class _GrpcClient:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
-        self._options = [*message_options(max_message_mb), *options]
+        self._options = [*message_options(max_message_mb), *RECONNECT_OPTIONS, *options]
         self._interceptors = list(interceptors)
         self._channel: grpc.aio.Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

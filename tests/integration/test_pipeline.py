@@ -162,6 +162,43 @@ def test_every_service_serves_metrics(pipeline) -> None:
         assert url in pipeline.stderr()
 
 
+def test_a_dead_drafter_is_restarted_on_its_address(pipeline, stub) -> None:
+    """Kill -9 the drafter: `up` keeps serving (target-only meanwhile) and brings it back on its port."""
+    import json
+    import time
+
+    old_pid, address = pipeline.info["pids"]["drafter"], pipeline.info["drafter"]
+    os.kill(old_pid, signal.SIGKILL)
+    assert wait_gone([old_pid], 10) == []
+    request = generation_pb2.GenerationRequest(prompt_ids=common_pb2.TokenIds(ids=[1, 2]), max_new_tokens=6,
+                                               seed=3, method="token")
+    assert len(stub.Generate(request, timeout=RPC_TIMEOUT_S).token_ids) == 6  # served either way
+    ready = pipeline.log_dir / "drafter.ready.json"
+    deadline = time.monotonic() + 120
+    new_pid = None
+    while time.monotonic() < deadline and pipeline.process.poll() is None:
+        if ready.exists():
+            try:
+                new_pid = json.loads(ready.read_text())["pid"]
+            except (ValueError, KeyError):
+                new_pid = None
+        if new_pid and new_pid != old_pid and "drafter healthy again" in pipeline.stderr():
+            break
+        time.sleep(0.2)
+    assert new_pid and new_pid != old_pid, pipeline.stderr()
+    assert pipeline.process.poll() is None and "drafter healthy again" in pipeline.stderr()
+    assert check_health(address) == "SERVING"
+    pipeline.info["pids"]["drafter"] = new_pid  # the SIGTERM test checks that this one goes too
+    deadline = time.monotonic() + 30  # the orchestrator retries the drafter every second
+    while True:
+        result = stub.Generate(request, timeout=RPC_TIMEOUT_S)
+        assert len(result.token_ids) == 6
+        if result.stats.drafted_tokens > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert result.stats.drafted_tokens > 0, "the orchestrator never drafted with the restarted drafter"
+
+
 def test_sigterm_stops_every_process(pipeline) -> None:
     children = list(pipeline.info["pids"].values())
     pipeline.process.send_signal(signal.SIGTERM)

@@ -65,6 +65,7 @@ def make_orchestrator(engines) -> Callable[..., Orchestrator]:
         if isinstance(drafter, str):
             drafter = InProcessDrafterClient(engines[drafter])
         verifier = InProcessVerifierClient(engines["verifier"])
+        config.setdefault("pipeline", False)  # the loop's own tests are about sequential iterations
         config = OrchestratorConfig(**config)
         return Orchestrator(drafter, verifier, config, store=store, on_iteration=on_iteration)
 

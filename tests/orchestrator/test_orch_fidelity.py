@@ -133,7 +133,8 @@ def pair(tmp_path_factory):
 def make_orchestrator(pair, verifier: VerifierEngine | None = None) -> Orchestrator:
     _, _, verifier_engine, drafter_engine = pair
     return Orchestrator(InProcessDrafterClient(drafter_engine),
-                        InProcessVerifierClient(verifier or verifier_engine), OrchestratorConfig())
+                        InProcessVerifierClient(verifier or verifier_engine),
+                        OrchestratorConfig(pipeline=False))  # pipelined: test_orch_pipeline.py
 
 
 @pytest.fixture(scope="module")

@@ -210,7 +210,7 @@ def slow_engines(model_dirs):
 async def test_rd_no_draft_steps_overlap_drafter_and_verifier(slow_engines):
     drafter, verifier = slow_engines
     orch = Orchestrator(InProcessDrafterClient(drafter), InProcessVerifierClient(verifier),
-                        OrchestratorConfig())
+                        OrchestratorConfig(pipeline=False))
     a0 = await orch.generate(_request(PROMPTS[0], 6, "rd", seed=4, k=2, a=0.0))
     assert all(r.heads == 0 and not r.drafted for r in a0.iterations)
     assert a0.stats.overlap_seconds > 0.5 * a0.stats.verify_seconds, a0.stats
