@@ -87,7 +87,9 @@ class IterationRecord:
     """One speculation iteration as it happened (what the trace and the timeline show).
 
     Times are epoch seconds (time.time() scale, measured with perf_counter); intervals are the
-    real start/end of each drafter call and of each verifier call (score and verify).
+    real start/end of each drafter call and of each verifier call (score and verify) that ended
+    within the iteration. A pipelined look-ahead call abandoned while still running (its block
+    cannot be used) ends during the next iteration: the trace shows it, these lists do not.
     """
 
     request_id: str

@@ -171,7 +171,7 @@ def test_a_dead_drafter_is_restarted_on_its_address(pipeline, stub) -> None:
     os.kill(old_pid, signal.SIGKILL)
     assert wait_gone([old_pid], 10) == []
     request = generation_pb2.GenerationRequest(prompt_ids=common_pb2.TokenIds(ids=[1, 2]), max_new_tokens=6,
-                                               seed=3, method="token")
+                                               seed=3, method="token", stop_token_ids=common_pb2.TokenIds())
     assert len(stub.Generate(request, timeout=RPC_TIMEOUT_S).token_ids) == 6  # served either way
     ready = pipeline.log_dir / "drafter.ready.json"
     deadline = time.monotonic() + 120

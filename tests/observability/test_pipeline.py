@@ -188,7 +188,10 @@ def test_metrics_move_with_the_run(run):
     assert delta("orchestrator", "specdec_overlap_seconds_total", method="rd") > 0
     assert delta("orchestrator", "specdec_iterations_total", method="rd", drafted="false") == \
         run.results["rd_a0"].stats.iterations
-    draft_calls = sum(len(rec.draft_intervals) for r in results for rec in r.iterations)
+    # Count the orchestrator's draft-call spans: a pipelined look-ahead call still running when its
+    # iteration ended is traced but not among the iteration's recorded intervals.
+    draft_calls = len([s for s in named(run.spans, DRAFT_SPAN) if s["service"] == "specdec-orchestrator"])
+    assert draft_calls >= sum(len(rec.draft_intervals) for r in results for rec in r.iterations)
     assert delta("drafter", "specdec_engine_calls_total", rpc="Draft", outcome="ok") == draft_calls
     assert delta("drafter", "specdec_forward_seconds_sum", role="drafter") >= SLEEP_S * draft_calls
     assert delta("verifier", "specdec_engine_calls_total", rpc="Verify", outcome="ok") == iterations

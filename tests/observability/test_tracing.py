@@ -90,8 +90,10 @@ async def _traced_run(engines, tmp_path, requests, observer_extra=None):
     tracing = configure_tracing("specdec-test", trace_file=tmp_path / "spans.jsonl")
     drafter, verifier = engines
     observer = combine_observers(tracing.loop_observer(), observer_extra)
+    # Sequential: every call then ends inside its iteration, so spans and records match one to one
+    # (a pipelined look-ahead still running at the iteration's end has a span but no record interval).
     orch = Orchestrator(InProcessDrafterClient(drafter), InProcessVerifierClient(verifier),
-                        OrchestratorConfig(), observer=observer)
+                        OrchestratorConfig(pipeline=False), observer=observer)
     try:
         results = [await orch.generate(r) for r in requests]
     finally:

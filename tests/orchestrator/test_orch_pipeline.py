@@ -159,7 +159,8 @@ async def test_pipelined_drafts_overlap_verification(slow_self_pair, loaded):
 # fidelity at T = 1 (same machinery and thresholds as test_orch_fidelity.py)
 
 SAMPLES = 1500
-FIDELITY = [("token", {"k": 1}), ("block", {"k": 1}), ("ersd", {"k": 1})]  # k = 1: a pre-draft fits in 3
+# k = 1: a pre-draft fits in 3 tokens; rd at a = 1 draws K = k_max everywhere, so it always pipelines
+FIDELITY = [("token", {"k": 1}), ("block", {"k": 1}), ("ersd", {"k": 1}), ("rd", {"k": 1, "a": 1.0})]
 
 
 @pytest.fixture(scope="module")
