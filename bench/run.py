@@ -1,18 +1,20 @@
 """Benchmark harness: one draft/target pair, one prompt set, every decoding configuration.
 
-    python -m bench.run                                   # the default run (see RESULTS.md)
+    python -m bench.run --dtype int8 --max-new-tokens 48 --pipeline-max-k 4   # RESULTS.md's run
     python -m bench.run --prompts builtin --num-prompts 2 --max-new-tokens 8 --repeats 1 \\
         --draft /path/tiny-draft --target /path/tiny-target       # a smoke run
 
 What one run does, in order:
-1. loads both models in this process (`--threads` torch threads, fp32 by default);
+1. loads both models in this process (`--threads` torch threads, `--dtype`: float32 by default,
+   int8 is the fast choice on a CPU; the baseline uses the same precision);
 2. runs the analyser (specdec.analysis) on the same prompts: α, c, λ, best k, tree, a;
 3. starts drafter and verifier as gRPC servers in their own processes, pinned to disjoint
    cores (`python -m orchestrator.cli serve ...`, as `specdec up` does), unless --no-grpc;
 4. runs every configuration on every prompt with the same sampling parameters and seed,
    round-robin over configurations per prompt (the order rotates from prompt to prompt), for
    `--repeats` rounds: plain target decoding with HF `generate` (the baseline), HF assisted
-   generation (`assistant_model=`), and our pipeline per method, in-process and over gRPC;
+   generation (`assistant_model=`), and our pipeline per method, in-process and over gRPC
+   (over gRPC also pipelined, and pipelined with adaptive draft length: --pipeline-methods);
 5. reports medians over repeats: tokens/s, speedup vs the baseline, block efficiency (tokens per
    target forward pass), acceptance, per-iteration overhead, and the fraction of the analytic
    speedup achieved; writes results.json, analysis.json and PNG plots to --out.
