@@ -76,6 +76,10 @@ class BenchSettings:
     # and, except rd, with adaptive pre-draft length up to pipeline_max_k tokens (0 = not).
     pipeline_methods: tuple[str, ...] = ("token", "block", "ersd", "rd")
     pipeline_max_k: int = 12
+    # Look-ahead guesses of the pipelined rows, "bonus+rejection" (see GenerationRequest): one
+    # row per entry; the adaptive rows use the first. Empty: one row with the orchestrator's
+    # default (automatic by block length).
+    pipeline_guesses: tuple[str, ...] = ()
     hf_assisted: bool = True
     analysis_prompts: int | None = None  # None → num_prompts
     analysis_tokens: int = 32
@@ -101,6 +105,8 @@ class RunConfig:
     repeats: int = 1
     pipeline: bool = False
     pipeline_max_k: int = 0  # > 0: adaptive pre-draft length (pipelined only)
+    bonus_guesses: int | None = None  # pipelined look-ahead guesses (None: the orchestrator's default)
+    rejection_guesses: int | None = None
 
 
 @dataclass
@@ -117,6 +123,8 @@ class RunRecord:
     iteration_seconds: float = 0.0
     pre_drafts_used: int = 0
     pre_drafts_dropped: int = 0
+    pre_draft_bonus_hits: tuple[int, ...] = ()  # used pre-drafts by rank of their guess
+    pre_draft_rejection_hits: tuple[int, ...] = ()
     overlap_seconds: float = 0.0  # drafter and verifier both busy (the orchestrator's measure)
     verifier_busy_seconds: float = 0.0  # verifier calls in flight (the orchestrator's measure)
     busy_seconds: float = 0.0
@@ -178,8 +186,14 @@ class TimedDrafter:
         return getattr(self.inner, name)
 
     async def draft(self, request):
+        return await self._timed(self.inner.draft(request))
+
+    async def lookahead(self, request):
+        return await self._timed(self.inner.lookahead(request))
+
+    async def _timed(self, call):
         start = time.perf_counter()
-        result = await self.inner.draft(request)
+        result = await call
         self.log.calls.append(("draft", start, time.perf_counter(), float(result.forward_seconds), {}))
         return result
 
@@ -306,6 +320,8 @@ async def run_pipeline(
         tree_budget=cfg.tree_budget,
         pipeline=cfg.pipeline,
         pipeline_max_k=cfg.pipeline_max_k,
+        pipeline_bonus_guesses=cfg.bonus_guesses,
+        pipeline_rejection_guesses=cfg.rejection_guesses,
     )
     log.reset()
     began = time.perf_counter()
@@ -326,6 +342,8 @@ async def run_pipeline(
         iteration_seconds=log.iteration_seconds,
         pre_drafts_used=stats.pre_drafts_used,
         pre_drafts_dropped=stats.pre_drafts_dropped,
+        pre_draft_bonus_hits=tuple(stats.pre_draft_bonus_hits),
+        pre_draft_rejection_hits=tuple(stats.pre_draft_rejection_hits),
         overlap_seconds=stats.overlap_seconds,
         verifier_busy_seconds=stats.verify_seconds,
         busy_seconds=log.busy_seconds,
@@ -348,7 +366,7 @@ def build_configs(settings: BenchSettings, analysis) -> list[RunConfig]:
     main, extra = settings.repeats, min(settings.sweep_repeats, settings.repeats)
 
     def pipeline(method: str, transport: str, repeats: int, pipelined: bool = False, max_k: int = 0,
-                 **kw) -> RunConfig:
+                 guesses: str | None = None, **kw) -> RunConfig:
         suffix = ",".join(
             f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
             for key, value in kw.items()
@@ -356,15 +374,19 @@ def build_configs(settings: BenchSettings, analysis) -> list[RunConfig]:
         )
         prefix = "grpc" if transport == "grpc" else "inproc"
         name = f"{prefix}:{method}" + (f"({suffix})" if suffix else "")
+        bonus = rejection = None
         if pipelined:
             name += f"+pipelined(adaptive ≤{max_k})" if max_k else "+pipelined"
+            if guesses is not None:
+                bonus, rejection = parse_guesses(guesses)
+                name += f"[guesses {bonus}+{rejection}]"
         real = "ersd" if method == "ersd-tree" else method
         return RunConfig(name, "pipeline", transport, real, repeats=repeats, pipeline=pipelined,
-                         pipeline_max_k=max_k, **kw)
+                         pipeline_max_k=max_k, bonus_guesses=bonus, rejection_guesses=rejection, **kw)
 
     def for_method(method: str, transport: str, repeats: int, pipelined: bool = False,
-                   max_k: int = 0) -> RunConfig:
-        extra = {"pipelined": pipelined, "max_k": max_k}
+                   max_k: int = 0, guesses: str | None = None) -> RunConfig:
+        extra = {"pipelined": pipelined, "max_k": max_k, "guesses": guesses}
         if method == "rd":
             # RD pipelines only where K = k_max, so a = 1 (always draft k_max) is its pipelined form
             # when the analyser's a* is 0 (never draft: nothing to pipeline).
@@ -393,15 +415,37 @@ def build_configs(settings: BenchSettings, analysis) -> list[RunConfig]:
     if settings.grpc:
         for method in settings.grpc_methods:
             configs.append(for_method(method, "grpc", main))
+        variants = list(dict.fromkeys(settings.pipeline_guesses)) or [None]
         for method in settings.pipeline_methods:
-            configs.append(for_method(method, "grpc", main, pipelined=True))
+            # rd makes no rejection guesses: its variants differ in bonus guesses only
+            seen: set[tuple[int, int] | None] = set()
+            for guesses in variants:
+                effective = None if guesses is None else parse_guesses(guesses)
+                if method == "rd" and effective is not None:
+                    effective = (effective[0], 0)
+                if effective in seen:
+                    continue
+                seen.add(effective)
+                configs.append(for_method(method, "grpc", main, pipelined=True, guesses=guesses))
             if settings.pipeline_max_k and method != "rd":
                 max_k = settings.pipeline_max_k
-                configs.append(for_method(method, "grpc", main, pipelined=True, max_k=max_k))
+                configs.append(for_method(method, "grpc", main, pipelined=True, max_k=max_k,
+                                          guesses=variants[0]))
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate configuration names: {names}")
     return configs
+
+
+def parse_guesses(text: str) -> tuple[int, int]:
+    """ "2+1" → (2 bonus guesses, 1 rejection guess)."""
+    try:
+        bonus, rejection = (int(part) for part in text.split("+"))
+    except ValueError:
+        raise ValueError(f"pipeline guesses look like BONUS+REJECTION (e.g. 2+1), got {text!r}") from None
+    if bonus < 1 or rejection < 0:
+        raise ValueError(f"pipeline guesses need BONUS >= 1 and REJECTION >= 0, got {text!r}")
+    return bonus, rejection
 
 
 # ----------------------------------------------------------------------------------------------
@@ -730,6 +774,8 @@ def summarise(configs: Sequence[RunConfig], records: Sequence[RunRecord], analys
             "pipelined": cfg.pipeline,
             "pre_drafts_used": sum(r.pre_drafts_used for r in rs),
             "pre_drafts_dropped": sum(r.pre_drafts_dropped for r in rs),
+            "pre_draft_bonus_hits": _rank_sums(r.pre_draft_bonus_hits for r in rs),
+            "pre_draft_rejection_hits": _rank_sums(r.pre_draft_rejection_hits for r in rs),
             # share of the verifier's busy time during which the drafter was busy as well
             "overlap_share": _ratio(
                 sum(r.overlap_seconds for r in rs), sum(r.verifier_busy_seconds for r in rs)
@@ -846,6 +892,17 @@ def _percent(value: float | None) -> str:
     return _fmt(value * 100 if value is not None else None, ".0f", "%")
 
 
+def _rank_sums(per_run) -> list[int]:
+    """Element-wise sums of per-run counts by rank (lists of different lengths)."""
+    total: list[int] = []
+    for counts in per_run:
+        for rank, count in enumerate(counts):
+            if rank == len(total):
+                total.append(0)
+            total[rank] += int(count)
+    return total
+
+
 def _predrafts(row: dict[str, Any]) -> str:
     if not row.get("pipelined"):
         return "–"
@@ -951,6 +1008,10 @@ def parser() -> argparse.ArgumentParser:
                    help="also run these over gRPC pipelined (token, block, ersd, rd); '' = none")
     p.add_argument("--pipeline-max-k", type=int, default=d.pipeline_max_k,
                    help="cap of the adaptive pipelined variants (token, block, ersd); 0 = no such variants")
+    p.add_argument("--pipeline-guesses", type=_strings, default=d.pipeline_guesses,
+                   help="look-ahead guesses of the pipelined rows, BONUS+REJECTION, comma-separated "
+                        "(one row per entry; the adaptive rows use the first); default: one row with "
+                        "the orchestrator's automatic choice")
     p.add_argument("--no-hf-assisted", dest="hf_assisted", action="store_false")
     p.add_argument("--analysis-prompts", type=int, default=None)
     p.add_argument("--analysis-tokens", type=int, default=d.analysis_tokens)
@@ -1002,6 +1063,11 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     unknown = [m for m in values["methods"] if m not in PIPELINE_METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {', '.join(PIPELINE_METHODS)}")
+    for guesses in values["pipeline_guesses"]:
+        try:
+            parse_guesses(guesses)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     return BenchSettings(**values)
 
 

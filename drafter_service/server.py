@@ -48,6 +48,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return convert.draft_result_to_proto(result)
 
     @guarded
+    async def Lookahead(self, request: drafter_pb2.LookaheadRequest, context) -> drafter_pb2.LookaheadResult:
+        req = convert.lookahead_request_from_proto(request)
+        engine_call = self.engine.lookahead
+        result = await run_observed(self.executor, self.observers, "Lookahead", req, engine_call, req)
+        return convert.lookahead_result_to_proto(result)
+
+    @guarded
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         await run_blocking(self.executor, self.engine.release, request.session_id)
         return common_pb2.ReleaseResponse()

@@ -32,6 +32,12 @@ class GenerationRequest:
     # n > 0 → a pre-draft keeps growing until the verifier answers, up to n tokens (adaptive
     # draft length, PEARL-style). None → the orchestrator's `pipeline_max_k` setting.
     pipeline_max_k: int | None = None
+    # Pipelined mode: pre-draft the next block after this many guesses of the bonus token (all
+    # drafts accepted) and after this many guesses of the token that replaces a rejected last
+    # draft; a block is used only when its guess comes true. None → the orchestrator's settings
+    # (bonus guesses: automatic by block length, see OrchestratorConfig).
+    pipeline_bonus_guesses: int | None = None
+    pipeline_rejection_guesses: int | None = None
 
 
 @dataclass
@@ -50,6 +56,8 @@ class GenerationStats:
     fallback_iterations: int = 0  # iterations run target-only because the drafter was down
     pre_drafts_used: int = 0  # pipelined blocks whose assumed context came true (verified as drafted)
     pre_drafts_dropped: int = 0  # pipelined blocks dropped: their assumed context did not come true
+    pre_draft_bonus_hits: list[int] = field(default_factory=list)  # used pre-drafts by bonus-guess rank
+    pre_draft_rejection_hits: list[int] = field(default_factory=list)  # … by replacement-guess rank
 
     @property
     def tokens_per_second(self) -> float:

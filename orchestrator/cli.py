@@ -811,6 +811,14 @@ def generate(
         "--pipeline-max-k", help="With --pipeline (token, block, ersd): let a pre-drafted block grow until "
         "the verifier answers, up to this many tokens; 0 = pre-drafts have length k. Default: the "
         "orchestrator's.", show_default=False)] = None,
+    bonus_guesses: Annotated[int | None, typer.Option(
+        "--bonus-guesses", help="With --pipeline: pre-draft the next block after this many guesses of the "
+        "token the verifier adds after a fully accepted block (the drafter's likeliest). Default: the "
+        "orchestrator's.", show_default=False)] = None,
+    rejection_guesses: Annotated[int | None, typer.Option(
+        "--rejection-guesses", help="With --pipeline (token, block, ersd): also pre-draft after this many "
+        "guesses of the token that replaces a rejected last draft. Default: the orchestrator's.",
+        show_default=False)] = None,
     temperature: Annotated[float, typer.Option(
         "--temperature", "-t", help="Sampling temperature; 0 = greedy.")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")] = 0,
@@ -856,7 +864,8 @@ def generate(
         code = asyncio.run(_generate(
             prompt=texts[0] if texts else None, prompt_ids=ids, address=address, draft=draft, target=target,
             device=device, dtype=dtype, threads=threads, method=method, k=k, tree_budget=tree_budget, a=a,
-            pipeline=pipeline, pipeline_max_k=pipeline_max_k, temperature=temperature, top_k=top_k,
+            pipeline=pipeline, pipeline_max_k=pipeline_max_k, bonus_guesses=bonus_guesses,
+            rejection_guesses=rejection_guesses, temperature=temperature, top_k=top_k,
             top_p=top_p, seed=seed,
             max_new_tokens=max_new_tokens, stop=stop or [],
             ignore_eos=ignore_eos, num_samples=num_samples, as_json=as_json, stream=stream, timeout=timeout,
@@ -868,7 +877,7 @@ def generate(
 
 
 async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype, threads, method, k,
-                    tree_budget, a, pipeline, pipeline_max_k,
+                    tree_budget, a, pipeline, pipeline_max_k, bonus_guesses, rejection_guesses,
                     temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos, num_samples, as_json,
                     stream, timeout, observability: ObservabilityOptions) -> int:
     """Run the samples; returns the exit code (errors are printed here as one line)."""
@@ -892,7 +901,8 @@ async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype
                     prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                     stop=list(stop), stop_token_ids=[] if ignore_eos else None,
                     seed=None if seed is None else seed + sample, method=method, k=k, tree_budget=tree_budget,
-                    a=a, pipeline=pipeline, pipeline_max_k=pipeline_max_k)
+                    a=a, pipeline=pipeline, pipeline_max_k=pipeline_max_k,
+                    pipeline_bonus_guesses=bonus_guesses, pipeline_rejection_guesses=rejection_guesses)
                 if num_samples > 1 and not as_json:
                     err.print(f"[bold]── sample {sample + 1}/{num_samples}[/]")
                 result = await (_stream_one(client, request, sample, as_json) if stream

@@ -44,6 +44,16 @@ class OrchestratorConfig(BaseSettings):
     # up to this many tokens (0 = pre-drafts have the draft length k). A fresh draft (after a
     # rejection) still has length k. Request override: GenerationRequest.pipeline_max_k.
     pipeline_max_k: int = Field(0, ge=0)
+    # Pipelined look-ahead guesses (one drafter call drafts after each; the verifier's answer
+    # picks at most one): the likeliest bonus tokens after the block, and the likeliest
+    # replacements of its last token should the verifier reject it (not for rd). More guesses,
+    # more pre-drafts come true, but each guess adds a node to every drafter pass of the
+    # look-ahead. None (auto): 2 bonus guesses for one-token blocks (the look-ahead is two
+    # drafter passes and the second guess costs little), 1 for longer blocks (extra guesses made
+    # the drafter, not the verifier, the bottleneck on the default pair: bench/RESULTS.md).
+    # Request overrides: GenerationRequest.pipeline_bonus_guesses / pipeline_rejection_guesses.
+    pipeline_bonus_guesses: int | None = Field(None, ge=1, le=16)
+    pipeline_rejection_guesses: int = Field(0, ge=0, le=16)
 
     max_k: int = Field(16, ge=1)
     max_tree_budget: int = Field(64, ge=1)

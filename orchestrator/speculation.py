@@ -17,29 +17,37 @@ the rest. After a failed call the mirror shrinks to what the service holds in ei
 Pipelining (config `pipeline`, request `pipeline`; PEARL-style post-verify). For sequence
 drafts (token, block, ersd without a tree, and rd iterations whose K equals k_max) the drafter
 does not wait for the verifier: while the verifier checks block n = x_1..x_k drafted from the
-committed prefix c, the drafter computes its row after c + x, guesses the bonus token b (the
-row's argmax; for ersd the winner of the race at that position under the drafter's row), and
-drafts block n+1 from the speculative context c + x + b. When the verifier answers, the
-pre-drafted block is kept only if c + x + b is exactly the new committed sequence (all k
-accepted and the bonus equals b); otherwise it is dropped (the drafter's session resyncs by
-common prefix on its next call). When the verification shows that not all k were accepted, the
-pre-draft is abandoned: it stops after its current drafter call, which the run's next drafter
-call waits for (a run's drafter calls never overtake each other, so the session mirror stays
+committed prefix c, one drafter `lookahead` call computes the drafter's rows at the end of
+c + x, guesses what the verifier will commit, and drafts block n+1 after each guess:
+  - bonus guesses: c + x + b for the `pipeline_bonus_guesses` likeliest b under the drafter's row
+    after c + x, by default 2 when the next block is one token, else 1 (all k accepted, bonus b;
+    for ersd the first arrivals of that position's race under the drafter's row, coupled with
+    the verifier's race under the target's);
+  - rejection guesses (not rd): c + x_1..x_{k-1} + r for the `pipeline_rejection_guesses`
+    likeliest r != x_k at the last position (x_k rejected, r emitted from the residual).
+When the verifier answers, the pre-drafted block whose assumed context is exactly the new
+committed sequence is kept, the others are dropped (the drafter's session resyncs by common
+prefix on its next call). When the verification shows that no guess can come true (a rejection
+before the last guessed position), the look-ahead is abandoned: the run's next drafter call
+waits for it (a run's drafter calls never overtake each other, so the session mirror stays
 true; an in-flight call is not cancelled, as the engine would finish it anyway).
 Why this is exact: a draft block is a function of its context and of the drafter's randomness,
 which is keyed on (seed, "draft", context length) for sampled drafts and on (seed, position)
-races for ersd — never on the verifier's draws or on the decision to use it. A kept pre-draft
-has context equal to the committed prefix, so it is precisely the block a fresh draft from that
-prefix would be (same context, same stream): distributed like a fresh draft given the past, and
-the acceptance rules are unchanged, hence the law of the output is unchanged. With a seed,
-pipelined and sequential runs even emit the same tokens (up to floating-point differences of
-the drafter's cache paths, which can move a sampled draft token but never the output's law).
+races for ersd — never on the verifier's draws, on the guesses made, or on the decision to use
+it. A kept pre-draft has context equal to the committed prefix, so it is precisely the block a
+fresh draft from that prefix would be (same context, same stream): distributed like a fresh
+draft given the past, and the acceptance rules are unchanged, hence the law of the output is
+unchanged. Which guesses are made only decides whether the block is pre-drafted or drafted
+afresh. With a seed, pipelined and sequential runs even emit the same tokens (up to
+floating-point differences of the drafter's batched passes, which can move a sampled draft
+token but never the output's law).
 
-Adaptive draft length (`pipeline_max_k` > 0; token, block, ersd). The pre-draft is made one
-token per drafter call and keeps growing until the verifier answers (or the cap is reached);
-the next block is whatever was drafted by then, so the drafter is never idle while the target
-works. The block's length is decided by the clock, i.e. by when the verifier answers, never by
-the values of the tokens in the block, and every acceptance rule is exact for any draft length
+Adaptive draft length (`pipeline_max_k` > 0; token, block, ersd). The look-ahead drafts one
+token after each guess, then the first bonus guess's block keeps growing, one token per drafter
+call, until the verifier answers (or the cap is reached); the next block is whatever was
+drafted by then, so the drafter is never idle while the target works. The block's length is
+decided by the clock, i.e. by when the verifier answers, never by the values of the tokens in
+the block, and every acceptance rule is exact for any draft length
 fixed independently of the draft's values; so the law of the output is unchanged. Seeded runs
 are then reproducible in law only, not token for token (the lengths depend on timing).
 """
@@ -77,13 +85,14 @@ from specdec.engine.api import (
     DraftRequest,
     DraftResult,
     InvalidRequest,
+    LookaheadRequest,
+    LookaheadResult,
     ModelInfo,
     ScoreRequest,
     SessionGone,
     VerifyOutcome,
     VerifyRequest,
 )
-from specdec.races import race, race_winner
 from specdec.sampling import SamplingParams
 from specdec.trees import DraftTree
 from specdec.verification.base import MethodParams
@@ -93,6 +102,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RELEASE_TIMEOUT_S = 5.0
 CALIBRATION_FLUSH_ITERATIONS = 64  # long requests add their counts to the store this often
+MAX_GUESSES = 16  # per kind, per look-ahead (the drafter engine's limit)
 
 
 class _DrafterDown(Exception):
@@ -107,8 +117,10 @@ class _DrafterDown(Exception):
 class _PreDraft:
     """A block drafted ahead from a speculative context (see "Pipelining" above)."""
 
-    context: list[int]  # the committed sequence it assumes: c + x_1..x_k + b
+    context: list[int]  # the committed sequence it assumes: c + x + b, or c + x_1..x_{k-1} + r
     draft: DraftResult
+    rejection: bool = False  # assumes x_k rejected (r emitted) rather than all accepted
+    rank: int = 0  # rank of its guess among the guesses of its kind
 
 
 @dataclass
@@ -142,6 +154,8 @@ class _Run:
     probe: Any = None  # the observer's RequestProbe of this run (tracing, metrics), if any
     pipeline: bool = False
     pipeline_max_k: int = 0  # > 0: adaptive pre-draft length (see "Adaptive draft length")
+    bonus_guesses: int | None = None  # None: automatic by block length (_bonus_guesses)
+    rejection_guesses: int = 0
     predraft: _PreDraft | None = None  # the next block, drafted while the last one was verified
     drafter_pending: asyncio.Task | None = None  # an abandoned pre-draft still in its drafter call
 
@@ -166,6 +180,8 @@ class _Run:
             "rank_acceptance": list(self.rank_acceptance),
             "pipeline": self.pipeline,
             "pipeline_max_k": self.pipeline_max_k,
+            "bonus_guesses": self.bonus_guesses,
+            "rejection_guesses": self.rejection_guesses,
         }
 
 
@@ -361,6 +377,8 @@ class Orchestrator:
         if request.pipeline is not None and not isinstance(request.pipeline, bool):
             raise InvalidRequest(f"pipeline must be a boolean or None, got {request.pipeline!r}")
         _check_range("pipeline_max_k", request.pipeline_max_k, config.max_k, low=0)
+        _check_range("pipeline_bonus_guesses", request.pipeline_bonus_guesses, MAX_GUESSES)
+        _check_range("pipeline_rejection_guesses", request.pipeline_rejection_guesses, MAX_GUESSES, low=0)
         if request.seed is not None and not isinstance(request.seed, int):
             raise InvalidRequest(f"seed must be an integer, got {request.seed!r}")
 
@@ -401,6 +419,8 @@ class Orchestrator:
             rank_acceptance=rank_acceptance,
             pipeline=config.pipeline if request.pipeline is None else request.pipeline,
             pipeline_max_k=min(config.max_k, _pick(request.pipeline_max_k, config.pipeline_max_k)),
+            bonus_guesses=_pick(request.pipeline_bonus_guesses, config.pipeline_bonus_guesses),
+            rejection_guesses=_pick(request.pipeline_rejection_guesses, config.pipeline_rejection_guesses),
         )
         await self._save(run, "running")
         return run
@@ -436,6 +456,8 @@ class Orchestrator:
             rank_acceptance=list(p["rank_acceptance"]),
             pipeline=bool(p.get("pipeline", False)),
             pipeline_max_k=int(p.get("pipeline_max_k", 0)),
+            bonus_guesses=p.get("bonus_guesses", 1),  # runs stored before guesses existed had one
+            rejection_guesses=int(p.get("rejection_guesses", 0)),
         )
 
     # the loop ----------------------------------------------------------------------------------
@@ -696,13 +718,15 @@ class Orchestrator:
             await self._settle_drafter(run)
             raise
         answered.set()
-        if len(outcome.accepted_nodes) < len(tree):  # the assumed context cannot come true
+        # A guess can come true only if every draft before the last guessed position was accepted.
+        guessed_from = len(tree) - (1 if _rejection_guesses(run) else 0)
+        if len(outcome.accepted_nodes) < guessed_from:
             abandon.set()
             run.drafter_pending = task  # the next drafter call waits for it
             run.stats.pre_drafts_dropped += 1
             return tree, outcome
         try:
-            predraft = await task
+            predrafts = await task
         except _DrafterDown as exc:  # block n is verified; only the look-ahead is lost
             self._drafter_unavailable(exc.cause)
             return tree, outcome
@@ -710,9 +734,9 @@ class Orchestrator:
             log.warning("pre-draft failed (%s: %s); drafting afresh next iteration", type(exc).__name__, exc)
             run.stats.pre_drafts_dropped += 1
             return tree, outcome
-        if predraft is not None and predraft.context == committed + list(outcome.tokens):
-            run.predraft = predraft
-        else:
+        truth = committed + list(outcome.tokens)
+        run.predraft = next((p for p in predrafts if p.context == truth), None)
+        if run.predraft is None:
             run.stats.pre_drafts_dropped += 1
         return tree, outcome
 
@@ -743,33 +767,38 @@ class Orchestrator:
     async def _predraft(
         self, run: _Run, context: list[int], k: int, strategy: str, want: bool, timeline: _Timeline,
         abandon: asyncio.Event, grow_until: asyncio.Event | None = None,
-    ) -> _PreDraft | None:
-        """Guess the bonus token after `context` from the drafter's row, then draft k tokens after it.
+    ) -> list[_PreDraft]:
+        """Guess what the verifier commits after `context` and draft k tokens after each guess.
 
-        With `grow_until`, draft one token per call until that event is set (or k tokens). Returns
-        None when abandoned (the verifier rejected part of the block) before any block was drafted.
+        With `grow_until`, the guesses get one token each, then the first bonus guess's block
+        grows one token per call until that event is set (or k tokens). Returns [] when
+        abandoned (no guess can come true any more) before the blocks were drafted.
         """
-        row = _rows(await self._draft(run, context, [], "sample", True, timeline), 1)[0]
+        result = await self._lookahead(run, context, 1 if grow_until is not None else k, strategy, want,
+                                       timeline)
         if abandon.is_set():
-            return None
-        if strategy == "race":  # the verifier's bonus is the race winner under P: couple with Q's
-            bonus = race_winner(race(run.seed, len(context), row.shape[-1]), row)
-        else:
-            bonus = int(torch.argmax(row))  # first maximum: lowest id on ties
-        assumed = context + [int(bonus)]
-        if grow_until is None:
-            block = await self._draft(run, assumed, scheduling.sequence_shape(k), strategy, want, timeline)
-            return _PreDraft(assumed, block)
-        steps: list[DraftResult] = []
-        while len(steps) < k and not grow_until.is_set() and not abandon.is_set():
-            grown = assumed + [t for step in steps for t in step.tokens]
-            step = await self._draft(run, grown, scheduling.sequence_shape(1), strategy, want, timeline)
-            if len(step.tokens) != 1:  # the drafter stopped short (context full)
-                break
-            steps.append(step)
-        if not steps or abandon.is_set():
-            return None
-        return _PreDraft(assumed, _chain(steps, want))
+            return []
+        ranks = {False: 0, True: 0}
+        predrafts = []
+        for branch in result.branches:
+            assumed = (context[:-1] if branch.replaces_last else context) + [int(branch.token)]
+            kind = branch.replaces_last
+            predrafts.append(_PreDraft(assumed, branch.draft, kind, ranks[kind]))
+            ranks[kind] += 1
+        if grow_until is None or not predrafts or predrafts[0].rejection:
+            return predrafts
+        first = predrafts[0]
+        steps = [first.draft]
+        one = scheduling.sequence_shape(1)
+        while len(steps) < k and len(steps[-1].tokens) == 1 and not (grow_until.is_set() or abandon.is_set()):
+            grown = first.context + [step.tokens[0] for step in steps]
+            steps.append(await self._draft(run, grown, one, strategy, want, timeline))
+        if abandon.is_set():
+            return []
+        steps = [step for step in steps if len(step.tokens) == 1]  # the drafter stops short at a full context
+        if steps:
+            predrafts[0] = _PreDraft(first.context, _chain(steps, want), False, 0)
+        return predrafts
 
     def _take_predraft(self, run: _Run, committed: list[int], k: int) -> DraftResult | None:
         """The pre-drafted block for `committed`, if its context came true (any length when adaptive)."""
@@ -782,6 +811,8 @@ class Orchestrator:
             run.stats.pre_drafts_dropped += 1
             return None
         run.stats.pre_drafts_used += 1
+        hits = run.stats.pre_draft_rejection_hits if predraft.rejection else run.stats.pre_draft_bonus_hits
+        _bump_at(hits, predraft.rank)
         return predraft.draft
 
     async def _settle_drafter(self, run: _Run) -> None:
@@ -839,6 +870,28 @@ class Orchestrator:
 
         try:
             return await timeline.timed("draft", settled_call())
+        except PeerUnavailable as exc:
+            raise _DrafterDown(exc) from exc
+
+    async def _lookahead(
+        self, run: _Run, context: list[int], k: int, strategy: str, want: bool, timeline: _Timeline
+    ) -> LookaheadResult:
+        drafter = self.drafter
+        assert drafter is not None
+
+        def call(base: int, append: list[int]) -> Awaitable[LookaheadResult]:
+            return drafter.lookahead(LookaheadRequest(
+                session_id=run.session_id, base_len=base, append=append, k=k, sampling=run.sampling,
+                seed=run.seed, strategy=strategy, want_distributions=want,
+                bonus_guesses=_bonus_guesses(run, k), rejection_guesses=_rejection_guesses(run),
+            ))
+
+        async def settled_call() -> LookaheadResult:
+            await self._settle_drafter(run)  # a run's drafter calls never overtake each other
+            return await self._session_call(run, "drafter_mirror", context, call)
+
+        try:
+            return await timeline.timed("draft", settled_call(), "lookahead")
         except PeerUnavailable as exc:
             raise _DrafterDown(exc) from exc
 
@@ -1007,6 +1060,18 @@ def _adaptive(run: _Run) -> bool:
     return run.pipeline_max_k > 0 and run.method != "rd"
 
 
+def _bonus_guesses(run: _Run, k: int) -> int:
+    """The run's setting, or automatic: 2 for one-token blocks, 1 for longer ones (OrchestratorConfig)."""
+    if run.bonus_guesses is not None:
+        return run.bonus_guesses
+    return 2 if k == 1 else 1
+
+
+def _rejection_guesses(run: _Run) -> int:
+    """rd looks ahead only where its next coins give a full block, known for the bonus guess alone."""
+    return 0 if run.method == "rd" else run.rejection_guesses
+
+
 def _chain(steps: Sequence[DraftResult], want: bool) -> DraftResult:
     """One sequence draft from one-token drafts made one after another (rows in the same layout)."""
     tokens = [step.tokens[0] for step in steps]
@@ -1059,6 +1124,13 @@ def _bump(counts: list[int], upto: int) -> None:
         counts.extend([0] * (upto - len(counts)))
     for i in range(upto):
         counts[i] += 1
+
+
+def _bump_at(counts: list[int], index: int) -> None:
+    """counts[index] += 1, growing the list as needed."""
+    if len(counts) <= index:
+        counts.extend([0] * (index + 1 - len(counts)))
+    counts[index] += 1
 
 
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:

@@ -567,7 +567,7 @@ class EngineSpans:
 
     def observe(self, rpc: str, request: Any, result: Any, error: BaseException | None,
                 start_ns: int, end_ns: int) -> None:
-        if rpc not in ("Draft", "Score", "Verify"):
+        if rpc not in ("Draft", "Lookahead", "Score", "Verify"):
             return
         name = f"{self.role}.{rpc.lower()}"
         span = self.tracer.start_span(name, kind=SpanKind.INTERNAL, start_time=start_ns,
@@ -578,7 +578,7 @@ class EngineSpans:
             span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
         elif result is None:
             pass  # Score returns nothing: the call span is the forward pass
-        elif rpc == "Draft":
+        elif rpc in ("Draft", "Lookahead"):
             self._draft(span, ctx, result, end_ns)
         elif rpc == "Verify":
             self._verify(span, ctx, result, start_ns, end_ns)
@@ -590,8 +590,15 @@ class EngineSpans:
         child.end(end_time=max(start_ns, end_ns))
 
     def _draft(self, span: Any, ctx: Any, result: Any, end_ns: int) -> None:
-        _set(span, {"specdec.draft_tokens": len(result.tokens), "specdec.reused_tokens": result.reused_tokens,
-                    "specdec.forward_seconds": result.forward_seconds})
+        branches = getattr(result, "branches", None)  # a Lookahead: one drafted sequence per guess
+        attributes = {"specdec.reused_tokens": result.reused_tokens,
+                      "specdec.forward_seconds": result.forward_seconds}
+        if branches is None:
+            attributes["specdec.draft_tokens"] = len(result.tokens)
+        else:
+            attributes["specdec.draft_tokens"] = sum(len(b.draft.tokens) for b in branches)
+            attributes["specdec.guesses"] = len(branches)
+        _set(span, attributes)
         forward_ns = int(result.forward_seconds * 1e9)
         if forward_ns > 0:
             # The passes are spread over the call (sampling in between); shown as one block.

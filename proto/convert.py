@@ -30,6 +30,9 @@ from specdec.engine.api import (
     DraftRequest,
     DraftResult,
     InvalidRequest,
+    LookaheadBranch,
+    LookaheadRequest,
+    LookaheadResult,
     ModelInfo,
     ScoreRequest,
     VerifyOutcome,
@@ -208,6 +211,70 @@ def draft_result_from_proto(msg: drafter_pb2.DraftResult) -> DraftResult:
     )
 
 
+def lookahead_request_to_proto(req: LookaheadRequest) -> drafter_pb2.LookaheadRequest:
+    return drafter_pb2.LookaheadRequest(
+        session_id=req.session_id,
+        base_len=int(req.base_len),
+        append=_ints(req.append, "append"),
+        k=int(req.k),
+        sampling=sampling_to_proto(req.sampling),
+        seed=_uint64(req.seed, "seed"),
+        strategy=req.strategy,
+        want_distributions=bool(req.want_distributions),
+        bonus_guesses=int(req.bonus_guesses),
+        rejection_guesses=int(req.rejection_guesses),
+    )
+
+
+def lookahead_request_from_proto(msg: drafter_pb2.LookaheadRequest) -> LookaheadRequest:
+    return LookaheadRequest(
+        session_id=msg.session_id,
+        base_len=msg.base_len,
+        append=list(msg.append),
+        k=msg.k,
+        sampling=sampling_from_proto(msg.sampling, msg.HasField("sampling")),
+        seed=msg.seed,
+        strategy=msg.strategy if msg.HasField("strategy") else "sample",
+        want_distributions=msg.want_distributions,
+        bonus_guesses=msg.bonus_guesses if msg.HasField("bonus_guesses") else 1,
+        rejection_guesses=msg.rejection_guesses,
+    )
+
+
+def lookahead_result_to_proto(result: LookaheadResult) -> drafter_pb2.LookaheadResult:
+    msg = drafter_pb2.LookaheadResult(
+        forward_seconds=float(result.forward_seconds), reused_tokens=int(result.reused_tokens)
+    )
+    for branch in result.branches:
+        entry = msg.branches.add(
+            replaces_last=bool(branch.replaces_last),
+            token=int(branch.token),
+            tokens=_ints(branch.draft.tokens, "tokens"),
+        )
+        probs = branch.draft.draft_probs
+        if probs is not None:  # the leaf row is zero by the layout: not worth its bytes
+            entry.draft_rows.CopyFrom(tensor_to_proto(probs[: len(branch.draft.tokens)], "draft_rows"))
+    return msg
+
+
+def lookahead_result_from_proto(msg: drafter_pb2.LookaheadResult) -> LookaheadResult:
+    branches = []
+    for i, entry in enumerate(msg.branches):
+        tokens = list(entry.tokens)
+        probs = None
+        if entry.HasField("draft_rows"):
+            rows = tensor_from_proto(entry.draft_rows, f"branches[{i}].draft_rows")
+            if rows.dim() != 2 or rows.shape[0] != len(tokens):
+                raise InvalidRequest(
+                    f"branches[{i}].draft_rows must be [{len(tokens)}, V], got {list(rows.shape)}"
+                )
+            probs = torch.cat([rows, rows.new_zeros((1, rows.shape[1]))])
+        draft = DraftResult(tokens=tokens, parents=list(range(-1, len(tokens) - 1)), draft_probs=probs)
+        branches.append(LookaheadBranch(replaces_last=entry.replaces_last, token=entry.token, draft=draft))
+    return LookaheadResult(branches=branches, forward_seconds=msg.forward_seconds,
+                           reused_tokens=msg.reused_tokens)
+
+
 # ------------------------------------------------------------------------------ score/verify
 
 
@@ -323,6 +390,10 @@ def generation_request_to_proto(req: GenerationRequest) -> generation_pb2.Genera
         msg.pipeline = bool(req.pipeline)
     if req.pipeline_max_k is not None:
         msg.pipeline_max_k = int(req.pipeline_max_k)
+    if req.pipeline_bonus_guesses is not None:
+        msg.pipeline_bonus_guesses = int(req.pipeline_bonus_guesses)
+    if req.pipeline_rejection_guesses is not None:
+        msg.pipeline_rejection_guesses = int(req.pipeline_rejection_guesses)
     return msg
 
 
@@ -343,6 +414,12 @@ def generation_request_from_proto(msg: generation_pb2.GenerationRequest) -> Gene
         tree_budget=msg.tree_budget if msg.HasField("tree_budget") else None,
         pipeline=msg.pipeline if msg.HasField("pipeline") else None,
         pipeline_max_k=msg.pipeline_max_k if msg.HasField("pipeline_max_k") else None,
+        pipeline_bonus_guesses=(
+            msg.pipeline_bonus_guesses if msg.HasField("pipeline_bonus_guesses") else None
+        ),
+        pipeline_rejection_guesses=(
+            msg.pipeline_rejection_guesses if msg.HasField("pipeline_rejection_guesses") else None
+        ),
     )
 
 
@@ -364,6 +441,8 @@ def generation_stats_to_proto(stats: GenerationStats) -> generation_pb2.Generati
         acceptance_rate=float(stats.acceptance_rate),
         pre_drafts_used=int(stats.pre_drafts_used),
         pre_drafts_dropped=int(stats.pre_drafts_dropped),
+        pre_draft_bonus_hits=_ints(stats.pre_draft_bonus_hits, "pre_draft_bonus_hits"),
+        pre_draft_rejection_hits=_ints(stats.pre_draft_rejection_hits, "pre_draft_rejection_hits"),
     )
 
 
@@ -384,6 +463,8 @@ def generation_stats_from_proto(msg: generation_pb2.GenerationStats) -> Generati
         fallback_iterations=msg.fallback_iterations,
         pre_drafts_used=msg.pre_drafts_used,
         pre_drafts_dropped=msg.pre_drafts_dropped,
+        pre_draft_bonus_hits=list(msg.pre_draft_bonus_hits),
+        pre_draft_rejection_hits=list(msg.pre_draft_rejection_hits),
     )
 
 

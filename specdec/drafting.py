@@ -97,3 +97,38 @@ def _path(parents: list[int], node: int) -> list[int]:
         path.append(node)
         node = parents[node]
     return path[::-1]
+
+
+def guess_tokens(
+    logits: torch.Tensor,
+    warped: torch.Tensor,
+    m: int,
+    strategy: str,
+    race_e: torch.Tensor | None = None,
+    exclude: int | None = None,
+) -> list[int]:
+    """The m likeliest tokens of one position, for pipelined look-ahead guesses (never `exclude`).
+
+    "sample": by the drafter's logits, highest first (ties: lowest id), so greedy and top-k
+    rows, whose warped support is one or few tokens, still yield m guesses. "race": the first
+    arrivals of the verifier's race at that position under the warped draft row (ERSD's target
+    token is that race's winner under P, so the draft's early arrivals are its best guesses),
+    then by logits when the row's support holds fewer than m tokens. Guesses only decide which
+    pre-drafts are made, never what is emitted.
+    """
+    if m <= 0:
+        return []
+    wanted = m + (exclude is not None)
+    if strategy not in ("race", "sample"):
+        raise ValueError(f"unknown draft strategy {strategy!r}")
+    order: list[int] = []
+    if strategy == "race":
+        if race_e is None:
+            raise ValueError("race guesses need the position's race vector")
+        order = race_arrivals(race_e, warped, wanted)
+    if len(order) < wanted:  # "sample", or a race row whose support is smaller (greedy, top-k)
+        values = logits.detach().to("cpu", torch.float32)
+        top = torch.topk(values, min(wanted + len(order), values.numel())).indices.tolist()
+        ranked = sorted(top, key=lambda t: (-float(values[t]), t))  # ties: lowest id first
+        order += [t for t in ranked if t not in order][: wanted - len(order)]
+    return [int(t) for t in order if t != exclude][:m]

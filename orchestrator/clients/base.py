@@ -14,6 +14,8 @@ from specdec.engine.api import (
     DraftRequest,
     DraftResult,
     EngineError,
+    LookaheadRequest,
+    LookaheadResult,
     ModelInfo,
     ScoreRequest,
     VerifyOutcome,
@@ -31,6 +33,8 @@ class DrafterClient(Protocol):
     async def info(self) -> ModelInfo: ...
 
     async def draft(self, request: DraftRequest) -> DraftResult: ...
+
+    async def lookahead(self, request: LookaheadRequest) -> LookaheadResult: ...
 
     async def release(self, session_id: str) -> None: ...
 

@@ -34,6 +34,8 @@ from specdec.engine.api import (
     DraftResult,
     EngineError,
     InvalidRequest,
+    LookaheadRequest,
+    LookaheadResult,
     ModelInfo,
     ScoreRequest,
     VerifyOutcome,
@@ -148,6 +150,10 @@ class GrpcDrafterClient(_GrpcClient):
     async def draft(self, request: DraftRequest) -> DraftResult:
         msg = _encode(convert.draft_request_to_proto, request)
         return convert.draft_result_from_proto(await self._unary("Draft", msg))
+
+    async def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
+        msg = _encode(convert.lookahead_request_to_proto, request)
+        return convert.lookahead_result_from_proto(await self._unary("Lookahead", msg))
 
     async def release(self, session_id: str) -> None:
         await self._unary("Release", common_pb2.ReleaseRequest(session_id=session_id))

@@ -14,6 +14,8 @@ from typing import Any
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
+    LookaheadRequest,
+    LookaheadResult,
     ModelInfo,
     ScoreRequest,
     VerifyOutcome,
@@ -45,6 +47,9 @@ class InProcessDrafterClient(_InProcessClient):
 
     async def draft(self, request: DraftRequest) -> DraftResult:
         return await self._call("draft", request)
+
+    async def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
+        return await self._call("lookahead", request)
 
 
 class InProcessVerifierClient(_InProcessClient):

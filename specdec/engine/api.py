@@ -81,6 +81,47 @@ class DraftResult:
 
 
 @dataclass
+class LookaheadRequest:
+    """Pre-draft the next block for several guesses of what the verifier will commit.
+
+    Used by pipelined speculation while the verifier checks the block that ends the session's
+    context C (= committed prefix + block; base_len/append as for DraftRequest). Hypotheses:
+    C + [b] for the `bonus_guesses` likeliest next tokens b after C (every draft accepted, bonus
+    b), then C[:-1] + [r] for the `rejection_guesses` likeliest tokens r != C[-1] at the last
+    block position (the last draft rejected, r emitted instead). After each hypothesis the
+    engine drafts `k` tokens exactly as `draft` would from that context (same rows up to
+    floating-point batching, same random stream), so the branch whose context comes true is the
+    fresh draft. "Likeliest" is by the drafter's logits for strategy "sample", and the order of
+    arrival in the verifier's race at that position under the drafter's row for "race" (ERSD).
+    """
+
+    session_id: str
+    base_len: int
+    append: list[int]
+    k: int
+    sampling: SamplingParams
+    seed: int
+    strategy: str = "sample"
+    want_distributions: bool = False
+    bonus_guesses: int = 1
+    rejection_guesses: int = 0
+
+
+@dataclass
+class LookaheadBranch:
+    replaces_last: bool  # the hypothesis is C[:-1] + [token] (True) or C + [token] (False)
+    token: int
+    draft: DraftResult  # a sequence drafted after the hypothesis (rows [n + 1, V], leaf row zero)
+
+
+@dataclass
+class LookaheadResult:
+    branches: list[LookaheadBranch]  # bonus guesses first (likeliest first), then rejection guesses
+    forward_seconds: float = 0.0
+    reused_tokens: int = 0
+
+
+@dataclass
 class ScoreRequest:
     """Start the target forward pass over (committed + tree) before draft rows are known."""
 

@@ -11,6 +11,11 @@ i.e. plain autoregressive drafting on the cache).
 Afterwards the cache keeps the committed tokens plus the tree's first root-to-leaf path (the
 most likely one to be accepted), so the next call, whose committed tokens extend by the
 accepted drafts, reuses those entries by longest common prefix.
+
+`lookahead` serves pipelined speculation: in one call it computes the rows at the end of the
+block under verification, picks the guessed continuations, forwards them together, and drafts
+a sequence after each, every branch with the random stream a fresh `draft` from that context
+would use (seed, "draft", context length).
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafting import select_children
+from specdec.drafting import guess_tokens, select_children
 from specdec.engine.api import (
     DRAFT_STRATEGIES,
     DraftRequest,
     DraftResult,
     InvalidRequest,
+    LookaheadBranch,
+    LookaheadRequest,
+    LookaheadResult,
     ModelInfo,
 )
 from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
@@ -38,6 +46,7 @@ from specdec.runtime.scoring import prepare
 from specdec.sampling import SamplingParams, warp_logits
 
 MAX_TREE_NODES = 1024
+MAX_LOOKAHEAD_GUESSES = 16
 
 
 @dataclass
@@ -183,6 +192,116 @@ class DrafterEngine:
         )
 
 
+    # ------------------------------------------------------------------------------------------
+    def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
+        _check_lookahead(request)
+        info = self.loaded.info
+        with self.sessions.use(request.session_id, request.base_len) as session:
+            context = advance(session.committed, request.session_id, request.base_len, request.append)
+            check_tokens("append", request.append, info.vocab_size)
+            if request.rejection_guesses and len(context) < 2:
+                raise InvalidRequest("rejection_guesses: the context must hold the prefix and the block")
+            check_context(len(context) + 1 + request.k, info.max_context)
+            session.committed = context
+            try:
+                return self._lookahead(session, context, request)
+            except BaseException:
+                session.kv = self._new_session().kv  # never keep a cache in an unknown state
+                raise
+
+    def _lookahead(
+        self, session: DrafterSession, context: list[int], request: LookaheadRequest
+    ) -> LookaheadResult:
+        kv = session.kv
+        params, strategy, seed = request.sampling, request.strategy, request.seed
+        vocab = self.loaded.info.vocab_size
+        forward_seconds = 0.0
+
+        def forward(tokens: list[int], parents: list[int], rows_from: int = 0) -> torch.Tensor:
+            nonlocal forward_seconds
+            began = time.perf_counter()
+            logits = kv.extend(tokens, parents, rows_from)
+            forward_seconds += time.perf_counter() - began
+            return logits
+
+        # Rows after C (bonus guesses) and, when asked, after C[:-1] (rejection guesses): one pass.
+        with_previous = request.rejection_guesses > 0
+        began = time.perf_counter()
+        reused, pending = prepare(kv, context[:-1] if with_previous else context)
+        forward_seconds += time.perf_counter() - began
+        if with_previous:
+            pending = pending + [context[-1]]
+        n_pending = len(pending)
+        logits = forward(pending, list(range(-1, n_pending - 1)), n_pending - (2 if with_previous else 1))
+        last = n_pending - 1
+
+        races: dict[int, torch.Tensor] = {}  # by position: bonus branches share theirs
+
+        def race_at(position: int) -> torch.Tensor | None:
+            if strategy != "race":
+                return None
+            if position not in races:
+                races[position] = race(seed, position, vocab)
+            return races[position]
+
+        def guesses(row_logits: torch.Tensor, m: int, position: int, exclude: int | None) -> list[int]:
+            warped = _warp(row_logits, params)
+            return guess_tokens(row_logits, warped, m, strategy, race_at(position), exclude)
+
+        # (replaces_last, token, parent block entry, length of the hypothesis context)
+        hypotheses = [(False, t, last, len(context) + 1)
+                      for t in guesses(logits[-1], request.bonus_guesses, len(context), None)]
+        if with_previous:
+            replacements = guesses(logits[0], request.rejection_guesses, len(context) - 1, context[-1])
+            hypotheses += [(True, t, last - 1, len(context)) for t in replacements]
+
+        drafts: list[list[int]] = [[] for _ in hypotheses]
+        rows: list[list[torch.Tensor]] = [[] for _ in hypotheses]
+        slots: list[list[int]] = [[] for _ in hypotheses]  # block entries of each branch, guess first
+        sources = [TorchRandomSource.from_seed(seed, "draft", length) if strategy == "sample" else None
+                   for *_, length in hypotheses]
+        active = list(range(len(hypotheses))) if request.k > 0 else []
+        step_tokens = [token for _, token, _, _ in hypotheses]
+        step_parents = [parent for _, _, parent, _ in hypotheses]
+        depth = 0
+        while active:
+            first = kv.block_len
+            step_logits = forward(step_tokens, step_parents)
+            still: list[int] = []
+            for j, branch in enumerate(active):
+                slots[branch].append(first + j)
+                row = _warp(step_logits[j], params)
+                e = race_at(hypotheses[branch][3] + depth)
+                choice = select_children(row, 1, strategy, sources[branch], e)
+                if not choice:  # the draft's support ran out: the branch stops short
+                    continue
+                drafts[branch].append(choice[0])
+                rows[branch].append(row)
+                if len(drafts[branch]) < request.k:
+                    still.append(branch)
+            depth += 1
+            active = still
+            step_tokens = [drafts[b][-1] for b in active]
+            step_parents = [slots[b][-1] for b in active]
+
+        # Keep C and the first branch's forwarded entries (the likeliest hypothesis).
+        keep = list(range(n_pending))
+        if hypotheses and not hypotheses[0][0]:
+            keep += slots[0]
+        kv.settle(keep)
+
+        branches = []
+        for (replaces_last, token, _, _), tokens, branch_rows in zip(hypotheses, drafts, rows, strict=True):
+            probs = None
+            if request.want_distributions:
+                probs = torch.zeros((len(tokens) + 1, vocab), dtype=torch.float32)
+                for i, row in enumerate(branch_rows):
+                    probs[i] = row.to(torch.float32).cpu()
+            draft = DraftResult(tokens=tokens, parents=list(range(-1, len(tokens) - 1)), draft_probs=probs)
+            branches.append(LookaheadBranch(replaces_last=replaces_last, token=token, draft=draft))
+        return LookaheadResult(branches=branches, forward_seconds=forward_seconds, reused_tokens=reused)
+
+
 def _warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return warp_logits(logits.float(), params)
 
@@ -194,13 +313,18 @@ def _max_depth(shape: list[int]) -> int:
     return max(depths, default=0)
 
 
-def _check_request(request: DraftRequest) -> list[int]:
+def _check_drafting(request: DraftRequest | LookaheadRequest) -> None:
+    """The fields every drafting request has: strategy, sampling parameters, seed."""
     if request.strategy not in DRAFT_STRATEGIES:
         raise InvalidRequest(f"strategy must be one of {DRAFT_STRATEGIES}, got {request.strategy!r}")
     if not isinstance(request.sampling, SamplingParams):
         raise InvalidRequest("sampling must be a SamplingParams")
     if not isinstance(request.seed, int):
         raise InvalidRequest(f"seed must be an integer, got {request.seed!r}")
+
+
+def _check_request(request: DraftRequest) -> list[int]:
+    _check_drafting(request)
     shape = [int(p) for p in request.shape_parents]
     if len(shape) > MAX_TREE_NODES:
         raise InvalidRequest(f"shape_parents holds {len(shape)} nodes; at most {MAX_TREE_NODES} are allowed")
@@ -210,3 +334,15 @@ def _check_request(request: DraftRequest) -> list[int]:
                 f"shape_parents[{i}] = {parent}; parents must precede their children (-1 = root)"
             )
     return shape
+
+
+def _check_lookahead(request: LookaheadRequest) -> None:
+    _check_drafting(request)
+    if not isinstance(request.k, int) or not 0 <= request.k <= MAX_TREE_NODES:
+        raise InvalidRequest(f"k must lie in 0..{MAX_TREE_NODES}, got {request.k!r}")
+    for name in ("bonus_guesses", "rejection_guesses"):
+        value = getattr(request, name)
+        if not isinstance(value, int) or not 0 <= value <= MAX_LOOKAHEAD_GUESSES:
+            raise InvalidRequest(f"{name} must lie in 0..{MAX_LOOKAHEAD_GUESSES}, got {value!r}")
+    if request.bonus_guesses + request.rejection_guesses == 0:
+        raise InvalidRequest("bonus_guesses + rejection_guesses must be at least 1")

@@ -178,15 +178,22 @@ def test_bench_over_grpc(tiny_dirs, tmp_path) -> None:
         grpc_methods=("token", "rd"),
         pipeline_methods=("token", "rd"),
         pipeline_max_k=5,
+        pipeline_guesses=("1+0", "2+1", "2+0"),
         server_timeout_s=180.0,
     )
     results = run_bench(settings, progress=lambda message: None)
     grpc_rows = [row for row in results["summary"] if row["transport"] == "grpc"]
     assert {row["method"] for row in grpc_rows} == {"token", "rd"}
-    # sequential, pipelined and adaptive-pipelined token; sequential and pipelined rd
+    # token: sequential, pipelined with each guess set, adaptive-pipelined; rd: sequential and
+    # pipelined with 1 and 2 bonus guesses (it makes no rejection guesses: 2+1 and 2+0 are one row)
     assert sorted((row["method"], row["pipelined"]) for row in grpc_rows) == [
-        ("rd", False), ("rd", True), ("token", False), ("token", True), ("token", True)]
+        ("rd", False), ("rd", True), ("rd", True), ("token", False)] + [("token", True)] * 4
     assert any("adaptive ≤5" in row["name"] for row in grpc_rows)
+    assert sum("[guesses 2+1]" in row["name"] for row in grpc_rows) == 2  # token and rd
+    for row in grpc_rows:
+        if row["pipelined"]:
+            hits = sum(row["pre_draft_bonus_hits"]) + sum(row["pre_draft_rejection_hits"])
+            assert hits == row["pre_drafts_used"], row
     for row in grpc_rows:
         assert row["tokens_per_second"] > 0 and 0.0 <= row["overhead_fraction"] <= 1.0
         if row["pipelined"] and row["method"] == "token":  # rd pipelines only where K = k_max

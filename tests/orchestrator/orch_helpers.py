@@ -14,7 +14,8 @@ from specdec.sampling import SamplingParams, warp_logits
 
 
 class FlakyDrafter:
-    """Raises PeerUnavailable on the draft calls whose 0-based number is in `down_calls`."""
+    """Raises PeerUnavailable on the drafter calls (draft, lookahead) whose 0-based number is in
+    `down_calls`."""
 
     def __init__(self, inner, down_calls: set[int]) -> None:
         self.inner = inner
@@ -26,13 +27,20 @@ class FlakyDrafter:
     async def info(self):
         return await self.inner.info()
 
-    async def draft(self, request):
+    def _maybe_down(self) -> None:
         number = self.calls
         self.calls += 1
         if number in self.down_calls:
             self.refused += 1
             raise PeerUnavailable(f"{self.address} is down (injected)")
+
+    async def draft(self, request):
+        self._maybe_down()
         return await self.inner.draft(request)
+
+    async def lookahead(self, request):
+        self._maybe_down()
+        return await self.inner.lookahead(request)
 
     async def release(self, session_id):
         await self.inner.release(session_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from itertools import zip_longest
 
 import pytest
 from orch_helpers import FlakyDrafter, hf_greedy
@@ -86,6 +87,71 @@ async def test_seeded_pipelined_equals_sequential(make_orchestrator, method, kno
         assert dropped > 0, "no pre-draft was ever dropped: the resync path went untested"
 
 
+GUESSES = {"pipeline_bonus_guesses": 3, "pipeline_rejection_guesses": 2}
+GUESSED = [("token", {"k": 1}), ("token", {"k": 3}), ("block", {"k": 2}),
+           ("ersd", {"k": 1}), ("ersd", {"k": 3})]
+GUESSED_IDS = [f"{m}-k{knobs['k']}" for m, knobs in GUESSED]
+
+
+@pytest.mark.parametrize("method,knobs", GUESSED, ids=GUESSED_IDS)
+async def test_seeded_pipelined_with_guesses_equals_sequential(make_orchestrator, method, knobs):
+    """Several guesses per look-ahead: the block of the guess that came true is the fresh draft."""
+    sequential, pipelined = make_orchestrator(), make_orchestrator(pipeline=True)
+    bonus: list[int] = []
+    rejection: list[int] = []
+    for seed in range(8):
+        prompt = PROMPTS[seed % len(PROMPTS)]
+        a = await sequential.generate(_request(prompt, 20, method, SAMPLE, seed=seed, **knobs))
+        b = await pipelined.generate(_request(prompt, 20, method, SAMPLE, seed=seed, **knobs, **GUESSES))
+        assert a.token_ids == b.token_ids, (method, seed)
+        _check_records(b)
+        stats = b.stats
+        assert sum(stats.pre_draft_bonus_hits) + sum(stats.pre_draft_rejection_hits) == stats.pre_drafts_used
+        assert len(stats.pre_draft_bonus_hits) <= 3 and len(stats.pre_draft_rejection_hits) <= 2
+        bonus = [x + y for x, y in zip_longest(bonus, stats.pre_draft_bonus_hits, fillvalue=0)]
+        rejection = [x + y for x, y in zip_longest(rejection, stats.pre_draft_rejection_hits, fillvalue=0)]
+    # The test sees every kind of guess come true (else a broken kind would go unnoticed). A
+    # rejection guess needs exactly k - 1 accepted and the residual's token among the draft's
+    # likeliest: with unrelated tiny models that is common only for short blocks.
+    assert len(bonus) >= 2 and bonus[1] > 0, bonus
+    if knobs["k"] <= 2:
+        assert sum(rejection) > 0, rejection
+
+
+@pytest.mark.parametrize("method,knobs", GUESSED, ids=GUESSED_IDS)
+async def test_greedy_pipelined_with_guesses_equals_hf_generate(make_orchestrator, loaded, method, knobs):
+    orch = make_orchestrator(pipeline=True, pipeline_bonus_guesses=2, pipeline_rejection_guesses=2)
+    for prompt in PROMPTS:
+        result = await orch.generate(_request(prompt, 20, method, GREEDY, seed=5, **knobs))
+        assert result.token_ids == hf_greedy(loaded["target"].model, prompt, 20), (method, prompt)
+        _check_records(result)
+
+
+async def test_automatic_bonus_guesses_follow_the_block_length(make_orchestrator, engines):
+    """Default: 2 bonus guesses for one-token blocks, 1 for longer ones; an explicit count wins."""
+    seen: set[tuple[int, int, int]] = set()
+
+    class Recording(InProcessDrafterClient):
+        async def lookahead(self, request):
+            seen.add((request.k, request.bonus_guesses, request.rejection_guesses))
+            return await super().lookahead(request)
+
+    for k, knobs in ((1, {}), (3, {}), (2, {"pipeline_bonus_guesses": 4, "pipeline_rejection_guesses": 1})):
+        orch = make_orchestrator(drafter=Recording(engines["draft"]), pipeline=True)
+        await orch.generate(_request(PROMPTS[0], 16, "token", SAMPLE, seed=2, k=k, **knobs))
+    assert seen == {(1, 2, 0), (3, 1, 0), (2, 4, 1)}
+
+
+async def test_guess_counts_are_validated_and_rd_makes_no_rejection_guesses(make_orchestrator, loaded):
+    orch = make_orchestrator(pipeline=True)
+    for field, value in (("pipeline_bonus_guesses", 0), ("pipeline_bonus_guesses", 17),
+                         ("pipeline_rejection_guesses", -1), ("pipeline_rejection_guesses", 17)):
+        with pytest.raises(InvalidRequest, match=field):
+            await orch.generate(_request(PROMPTS[0], 4, "token", GREEDY, **{field: value}))
+    result = await orch.generate(_request(PROMPTS[0], 16, "rd", SAMPLE, seed=1, k=2, a=1.0, **GUESSES))
+    assert result.stats.pre_drafts_used > 0 and result.stats.pre_draft_rejection_hits == []
+
+
 async def test_request_override_and_validation(make_orchestrator, engines):
     orch = make_orchestrator(drafter="self")  # drafter = target: greedy acceptance is 100%
     off = await orch.generate(_request(PROMPTS[0], 16, "token", GREEDY, k=3))
@@ -100,7 +166,7 @@ async def test_request_override_and_validation(make_orchestrator, engines):
         await orch.generate(_request(PROMPTS[0], 4, "token", GREEDY, pipeline="yes"))
 
 
-@pytest.mark.parametrize("down", [{1}, {2}, {3, 4}], ids=["row-call", "block-call", "used-then-down"])
+@pytest.mark.parametrize("down", [{1}, {2}, {3, 4}], ids=["first-lookahead", "second-call", "used-then-down"])
 async def test_drafter_lost_during_a_pre_draft(make_orchestrator, engines, loaded, down):
     """A lost look-ahead call costs only the look-ahead: the verified block stands, output is exact."""
     flaky = FlakyDrafter(InProcessDrafterClient(engines["self"]), down_calls=down)
@@ -160,7 +226,9 @@ async def test_pipelined_drafts_overlap_verification(slow_self_pair, loaded):
 
 SAMPLES = 1500
 # k = 1: a pre-draft fits in 3 tokens; rd at a = 1 draws K = k_max everywhere, so it always pipelines
-FIDELITY = [("token", {"k": 1}), ("block", {"k": 1}), ("ersd", {"k": 1}), ("rd", {"k": 1, "a": 1.0})]
+FIDELITY = [("token", {"k": 1}), ("block", {"k": 1}), ("ersd", {"k": 1}), ("rd", {"k": 1, "a": 1.0}),
+            ("token", {"k": 1, **GUESSES}), ("ersd", {"k": 1, **GUESSES})]
+FIDELITY_IDS = [m + ("+guesses" if "pipeline_bonus_guesses" in knobs else "") for m, knobs in FIDELITY]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +240,7 @@ def fidelity_pair(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,knobs", FIDELITY, ids=[m for m, _ in FIDELITY])
+@pytest.mark.parametrize("method,knobs", FIDELITY, ids=FIDELITY_IDS)
 async def test_pipelined_output_is_distributed_as_the_target(fidelity_pair, method, knobs):
     from test_orch_fidelity import P_THRESHOLD, PROMPT
 
@@ -181,7 +249,7 @@ async def test_pipelined_output_is_distributed_as_the_target(fidelity_pair, meth
     orch = Orchestrator(InProcessDrafterClient(drafter), InProcessVerifierClient(verifier),
                         OrchestratorConfig(pipeline=True),
                         on_iteration=None)
-    first = 7_000_000 + 1_000_000 * [m for m, _ in FIDELITY].index(method)
+    first = 7_000_000 + 1_000_000 * FIDELITY.index((method, knobs))
     real_generate = orch.generate
 
     async def generate(request):

@@ -24,6 +24,9 @@ from specdec.engine.api import (
     DraftRequest,
     DraftResult,
     InvalidRequest,
+    LookaheadBranch,
+    LookaheadRequest,
+    LookaheadResult,
     ModelInfo,
     ScoreRequest,
     VerifyOutcome,
@@ -179,6 +182,70 @@ def test_draft_request_round_trip(
     assert_same(convert.draft_request_from_proto(via_bytes(convert.draft_request_to_proto(req))), req)
 
 
+@FAST
+@given(
+    session=st.text(max_size=8),
+    base_len=st.integers(0, 2**40),
+    append=tokens,
+    k=st.integers(0, 64),
+    params=sampling,
+    seed=seeds,
+    strategy=st.sampled_from(["sample", "race"]),
+    want=st.booleans(),
+    bonus=st.integers(0, 16),
+    rejection=st.integers(0, 16),
+)
+def test_lookahead_request_round_trip(session, base_len, append, k, params, seed, strategy, want, bonus,
+                                      rejection) -> None:
+    req = LookaheadRequest(session, base_len, append, k, params, seed, strategy, want, bonus, rejection)
+    back = convert.lookahead_request_from_proto(via_bytes(convert.lookahead_request_to_proto(req)))
+    assert_same(back, req)
+
+
+def test_lookahead_request_defaults_when_unset() -> None:
+    req = convert.lookahead_request_from_proto(drafter_pb2.LookaheadRequest())
+    assert (req.strategy, req.bonus_guesses, req.rejection_guesses) == ("sample", 1, 0)
+
+
+@st.composite
+def lookahead_branches(draw):
+    n, vocab = draw(st.integers(0, 4)), draw(st.integers(1, 7))
+    toks = draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
+    probs = None
+    if draw(st.booleans()):
+        values = draw(st.lists(st.floats(0, 1, width=32), min_size=n * vocab, max_size=n * vocab))
+        rows = torch.tensor(values, dtype=torch.float32).reshape(n, vocab)
+        probs = torch.cat([rows, torch.zeros(1, vocab)])
+    draft = DraftResult(toks, list(range(-1, n - 1)), probs)
+    return LookaheadBranch(draw(st.booleans()), draw(st.integers(0, 2**31 - 1)), draft)
+
+
+@FAST
+@given(branches=st.lists(lookahead_branches(), max_size=4), fwd=non_negative, reused=st.integers(0, 10**6))
+def test_lookahead_result_round_trip(branches, fwd, reused) -> None:
+    """The leaf rows (zero by the layout) stay off the wire and come back as zeros."""
+    result = LookaheadResult(branches, fwd, reused)
+    msg = convert.lookahead_result_to_proto(result)
+    for entry, branch in zip(msg.branches, branches, strict=True):
+        if branch.draft.draft_probs is not None:
+            vocab = branch.draft.draft_probs.shape[1]
+            assert list(entry.draft_rows.shape) == [len(branch.draft.tokens), vocab]
+    back = convert.lookahead_result_from_proto(via_bytes(msg))
+    assert (back.forward_seconds, back.reused_tokens) == (fwd, reused)
+    assert len(back.branches) == len(branches)
+    for got, want in zip(back.branches, branches, strict=True):
+        assert (got.replaces_last, got.token) == (want.replaces_last, want.token)
+        assert_same(got.draft, want.draft)
+
+
+def test_lookahead_result_with_misshapen_rows_is_invalid() -> None:
+    msg = drafter_pb2.LookaheadResult()
+    entry = msg.branches.add(tokens=[1, 2])
+    entry.draft_rows.CopyFrom(convert.tensor_to_proto(torch.zeros(3, 4), "rows"))
+    with pytest.raises(InvalidRequest, match=r"branches\[0\].draft_rows"):
+        convert.lookahead_result_from_proto(msg)
+
+
 def test_draft_request_unset_strategy_is_sample() -> None:
     assert convert.draft_request_from_proto(drafter_pb2.DraftRequest()).strategy == "sample"
 
@@ -275,6 +342,10 @@ generation_requests = st.builds(
     a=st.one_of(st.none(), st.floats(0, 1)),
     request_id=st.one_of(st.none(), st.text(max_size=8)),
     tree_budget=st.one_of(st.none(), st.integers(0, 256)),
+    pipeline=st.one_of(st.none(), st.booleans()),
+    pipeline_max_k=st.one_of(st.none(), st.integers(0, 64)),
+    pipeline_bonus_guesses=st.one_of(st.none(), st.integers(0, 16)),
+    pipeline_rejection_guesses=st.one_of(st.none(), st.integers(0, 16)),
 )
 
 
@@ -332,6 +403,10 @@ stats = st.builds(
     accepted_per_position=st.lists(st.integers(0, 10**6), max_size=8),
     drafted_per_position=st.lists(st.integers(0, 10**6), max_size=8),
     fallback_iterations=st.integers(0, 10**6),
+    pre_drafts_used=st.integers(0, 10**6),
+    pre_drafts_dropped=st.integers(0, 10**6),
+    pre_draft_bonus_hits=st.lists(st.integers(0, 10**6), max_size=4),
+    pre_draft_rejection_hits=st.lists(st.integers(0, 10**6), max_size=4),
 )
 results = st.builds(
     GenerationResult,
@@ -369,6 +444,7 @@ PAIRS = [
     (ModelInfo, common_pb2.ModelInfo),
     (DraftRequest, drafter_pb2.DraftRequest),
     (DraftResult, drafter_pb2.DraftResult),
+    (LookaheadRequest, drafter_pb2.LookaheadRequest),
     (ScoreRequest, verifier_pb2.ScoreRequest),
     (VerifyRequest, verifier_pb2.VerifyRequest),
     (VerifyOutcome, verifier_pb2.VerifyOutcome),

@@ -50,7 +50,9 @@ def test_services_and_rpcs() -> None:
         service = module.DESCRIPTOR.services_by_name[name]
         return {m.name: (m.client_streaming, m.server_streaming) for m in service.methods}
 
-    assert rpcs(drafter_pb2, "DrafterService") == {n: (False, False) for n in ("Info", "Draft", "Release")}
+    assert rpcs(drafter_pb2, "DrafterService") == {
+        n: (False, False) for n in ("Info", "Draft", "Lookahead", "Release")
+    }
     assert rpcs(verifier_pb2, "VerifierService") == {
         n: (False, False) for n in ("Info", "Score", "Verify", "Tokenize", "Decode", "Release")
     }

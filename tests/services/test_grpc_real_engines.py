@@ -31,7 +31,14 @@ from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVeri
 from orchestrator.server import start_orchestrator_server  # noqa: E402
 from orchestrator.speculation import Orchestrator  # noqa: E402
 from proto.grpc_support import stop_server  # noqa: E402
-from specdec.engine.api import DraftRequest, ScoreRequest, SessionGone, VerifyRequest  # noqa: E402
+from specdec.engine.api import (  # noqa: E402
+    DraftRequest,
+    InvalidRequest,
+    LookaheadRequest,
+    ScoreRequest,
+    SessionGone,
+    VerifyRequest,
+)
 from specdec.engine.drafter import DrafterEngine  # noqa: E402
 from specdec.engine.verifier import VerifierEngine  # noqa: E402
 from specdec.runtime.loading import load_model  # noqa: E402
@@ -219,10 +226,34 @@ async def test_session_gone_over_grpc_then_resend(engines) -> None:
         assert await servers.verifier.decode([1, 2]) == "t1 t2"
 
 
-STACK_CASES = [("token", {"k": 3}), ("ersd", {"k": 3}), ("rd", {"k": 2, "a": 0.5}), ("gsd-tree", {"k": 4})]
+@pytest.mark.parametrize("strategy", ["sample", "race"])
+async def test_lookahead_over_grpc_equals_in_process(engines, strategy) -> None:
+    """Pipelined look-ahead: same guesses, drafts and rows (bit for bit; leaf rows restored as zeros)."""
+    _, drafter_engine, verifier_engine = engines
+    request = LookaheadRequest("la-grpc", 0, PROMPT + [4, 5], 2, SamplingParams(), 9, strategy,
+                               want_distributions=True, bonus_guesses=3, rejection_guesses=2)
+    async with Servers(drafter_engine, verifier_engine) as servers:
+        remote = await servers.drafter.lookahead(request)
+        with pytest.raises(InvalidRequest, match="bonus_guesses"):
+            await servers.drafter.lookahead(LookaheadRequest("la-bad", 0, PROMPT, 1, SamplingParams(), 0,
+                                                             bonus_guesses=99))
+        with pytest.raises(SessionGone):
+            await servers.drafter.lookahead(LookaheadRequest("la-never", 4, [], 1, SamplingParams(), 0))
+    request.session_id = "la-local"
+    local = drafter_engine.lookahead(request)
+    assert len(remote.branches) == len(local.branches) == 5
+    for a, b in zip(remote.branches, local.branches, strict=True):
+        assert (a.replaces_last, a.token, a.draft.tokens) == (b.replaces_last, b.token, b.draft.tokens)
+        assert torch.equal(a.draft.draft_probs, b.draft.draft_probs)
 
 
-@pytest.mark.parametrize(("method", "knobs"), STACK_CASES, ids=[m for m, _ in STACK_CASES])
+GUESSES = {"pipeline_bonus_guesses": 3, "pipeline_rejection_guesses": 2}
+STACK_CASES = [("token", {"k": 3}), ("ersd", {"k": 3}), ("rd", {"k": 2, "a": 0.5}), ("gsd-tree", {"k": 4}),
+               ("token", {"k": 1, **GUESSES}), ("ersd", {"k": 1, **GUESSES})]
+STACK_IDS = [m + ("+guesses" if "pipeline_bonus_guesses" in knobs else "") for m, knobs in STACK_CASES]
+
+
+@pytest.mark.parametrize(("method", "knobs"), STACK_CASES, ids=STACK_IDS)
 async def test_full_stack_over_grpc_matches_in_process(engines, method, knobs) -> None:
     """GenerationClient → orchestrator server → Orchestrator on gRPC clients → drafter/verifier
     servers gives the same output as the Orchestrator on in-process clients (text prompt too)."""

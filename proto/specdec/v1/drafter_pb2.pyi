@@ -44,3 +44,49 @@ class DraftResult(_message.Message):
     forward_seconds: float
     reused_tokens: int
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
+
+class LookaheadRequest(_message.Message):
+    __slots__ = ("session_id", "base_len", "append", "k", "sampling", "seed", "strategy", "want_distributions", "bonus_guesses", "rejection_guesses")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    WANT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    BONUS_GUESSES_FIELD_NUMBER: _ClassVar[int]
+    REJECTION_GUESSES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    base_len: int
+    append: _containers.RepeatedScalarFieldContainer[int]
+    k: int
+    sampling: _common_pb2.SamplingParams
+    seed: int
+    strategy: str
+    want_distributions: bool
+    bonus_guesses: int
+    rejection_guesses: int
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., want_distributions: _Optional[bool] = ..., bonus_guesses: _Optional[int] = ..., rejection_guesses: _Optional[int] = ...) -> None: ...
+
+class LookaheadBranch(_message.Message):
+    __slots__ = ("replaces_last", "token", "tokens", "draft_rows")
+    REPLACES_LAST_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    replaces_last: bool
+    token: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_rows: _common_pb2.Tensor
+    def __init__(self, replaces_last: _Optional[bool] = ..., token: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class LookaheadResult(_message.Message):
+    __slots__ = ("branches", "forward_seconds", "reused_tokens")
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    branches: _containers.RepeatedCompositeFieldContainer[LookaheadBranch]
+    forward_seconds: float
+    reused_tokens: int
+    def __init__(self, branches: _Optional[_Iterable[_Union[LookaheadBranch, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ...) -> None: ...

@@ -46,6 +46,11 @@ class DrafterServiceStub:
                 request_serializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftResult.FromString,
                 _registered_method=True)
+        self.Lookahead = channel.unary_unary(
+                '/specdec.v1.DrafterService/Lookahead',
+                request_serializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.SerializeToString,
+                response_deserializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadResult.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.DrafterService/Release',
                 request_serializer=proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -72,6 +77,15 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookahead(self, request, context):
+        """Pipelined speculation: while the verifier checks the block that ends the session's context,
+        draft the next block after each guessed outcome (bonus tokens, replacements of the last
+        draft) in one call. Errors as for Draft.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drop a session's tokens and KV cache.
         """
@@ -91,6 +105,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftResult.SerializeToString,
+            ),
+            'Lookahead': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookahead,
+                    request_deserializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.FromString,
+                    response_serializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadResult.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -153,6 +172,33 @@ class DrafterService:
             '/specdec.v1.DrafterService/Draft',
             proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookahead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DrafterService/Lookahead',
+            proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.SerializeToString,
+            proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadResult.FromString,
             options,
             channel_credentials,
             insecure,

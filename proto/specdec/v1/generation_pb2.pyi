@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerationRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline", "pipeline_max_k")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline", "pipeline_max_k", "pipeline_bonus_guesses", "pipeline_rejection_guesses")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class GenerationRequest(_message.Message):
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_MAX_K_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_BONUS_GUESSES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_REJECTION_GUESSES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _common_pb2.TokenIds
     max_new_tokens: int
@@ -39,10 +41,12 @@ class GenerationRequest(_message.Message):
     tree_budget: int
     pipeline: bool
     pipeline_max_k: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ..., pipeline_max_k: _Optional[int] = ...) -> None: ...
+    pipeline_bonus_guesses: int
+    pipeline_rejection_guesses: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ..., pipeline_max_k: _Optional[int] = ..., pipeline_bonus_guesses: _Optional[int] = ..., pipeline_rejection_guesses: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("iterations", "drafted_iterations", "drafted_tokens", "accepted_tokens", "new_tokens", "seconds", "draft_seconds", "verify_seconds", "overlap_seconds", "accepted_per_position", "drafted_per_position", "fallback_iterations", "tokens_per_second", "acceptance_rate", "pre_drafts_used", "pre_drafts_dropped")
+    __slots__ = ("iterations", "drafted_iterations", "drafted_tokens", "accepted_tokens", "new_tokens", "seconds", "draft_seconds", "verify_seconds", "overlap_seconds", "accepted_per_position", "drafted_per_position", "fallback_iterations", "tokens_per_second", "acceptance_rate", "pre_drafts_used", "pre_drafts_dropped", "pre_draft_bonus_hits", "pre_draft_rejection_hits")
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +63,8 @@ class GenerationStats(_message.Message):
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFTS_USED_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFT_BONUS_HITS_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFT_REJECTION_HITS_FIELD_NUMBER: _ClassVar[int]
     iterations: int
     drafted_iterations: int
     drafted_tokens: int
@@ -75,7 +81,9 @@ class GenerationStats(_message.Message):
     acceptance_rate: float
     pre_drafts_used: int
     pre_drafts_dropped: int
-    def __init__(self, iterations: _Optional[int] = ..., drafted_iterations: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., overlap_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallback_iterations: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., pre_drafts_used: _Optional[int] = ..., pre_drafts_dropped: _Optional[int] = ...) -> None: ...
+    pre_draft_bonus_hits: _containers.RepeatedScalarFieldContainer[int]
+    pre_draft_rejection_hits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, iterations: _Optional[int] = ..., drafted_iterations: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., overlap_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallback_iterations: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., pre_drafts_used: _Optional[int] = ..., pre_drafts_dropped: _Optional[int] = ..., pre_draft_bonus_hits: _Optional[_Iterable[int]] = ..., pre_draft_rejection_hits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "seed", "method", "stats", "iterations", "started_at")
