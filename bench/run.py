@@ -1,6 +1,6 @@
 """Benchmark harness: one draft/target pair, one prompt set, every decoding configuration.
 
-    python -m bench.run --dtype int8 --max-new-tokens 48 --pipeline-max-k 4   # RESULTS.md's run
+    python -m bench.run --dtype int8 --max-new-tokens 48 --pipeline-max-k 0   # RESULTS.md's main run
     python -m bench.run --prompts builtin --num-prompts 2 --max-new-tokens 8 --repeats 1 \\
         --draft /path/tiny-draft --target /path/tiny-target       # a smoke run
 
@@ -14,7 +14,8 @@ What one run does, in order:
    round-robin over configurations per prompt (the order rotates from prompt to prompt), for
    `--repeats` rounds: plain target decoding with HF `generate` (the baseline), HF assisted
    generation (`assistant_model=`), and our pipeline per method, in-process and over gRPC
-   (over gRPC also pipelined, and pipelined with adaptive draft length: --pipeline-methods);
+   (over gRPC also pipelined: --pipeline-methods, with look-ahead guess variants:
+   --pipeline-guesses, and with adaptive draft length: --pipeline-max-k);
 5. reports medians over repeats: tokens/s, speedup vs the baseline, block efficiency (tokens per
    target forward pass), acceptance, per-iteration overhead, and the fraction of the analytic
    speedup achieved; writes results.json, analysis.json and PNG plots to --out.
