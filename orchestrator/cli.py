@@ -733,6 +733,9 @@ def _stats_line(result) -> str:
             f"{result.method} · {s.iterations} iterations")
     if s.drafted_tokens:
         line += f" · accepted {s.accepted_tokens}/{s.drafted_tokens} ({100 * s.acceptance_rate:.0f}%)"
+    looked_ahead = s.pre_drafts_used + s.pre_drafts_dropped
+    if looked_ahead:
+        line += f" · pre-drafts used {s.pre_drafts_used}/{looked_ahead}"
     if s.fallback_iterations:
         line += f" · {s.fallback_iterations} target-only (drafter down)"
     return line + f" · finish {result.finish_reason} · seed {result.seed}"
