@@ -21,7 +21,7 @@ Orchestrator (OrchestratorMetrics, a LoopObserver: orchestrator.speculation call
   specdec_overlap_seconds_total{method}             time both were busy (overlap ratio: / verify busy)
   specdec_iteration_overlap_ratio{method}           histogram of that ratio per iteration
 Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label role = drafter | verifier):
-  specdec_engine_calls_total{role,rpc,outcome}      Draft / Score / Verify calls; outcome ok |
+  specdec_engine_calls_total{role,rpc,outcome}      Draft / Lookahead / Score / Verify calls; outcome ok |
                                                     session_gone | invalid | cancelled | error
   specdec_engine_call_seconds{role,rpc}             histogram of the engine call in its worker thread
   specdec_forward_seconds{role,rpc}                 histogram of model forward time per call
@@ -206,8 +206,8 @@ class EngineMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         counter, _, histogram = _makers(registry)
-        self.calls = counter("specdec_engine_calls", "Engine calls (Draft, Score, Verify) by outcome (ok, "
-                             "session_gone, invalid, cancelled, error).",
+        self.calls = counter("specdec_engine_calls", "Engine calls (Draft, Lookahead, Score, Verify) by "
+                             "outcome (ok, session_gone, invalid, cancelled, error).",
                              "role", "rpc", "outcome")
         self.call_seconds = histogram("specdec_engine_call_seconds", "Engine call time in its worker thread "
                                       "(session lock wait included).", "role", "rpc")
