@@ -109,6 +109,8 @@ def guess_tokens(
 ) -> list[int]:
     """The m likeliest tokens of one position, for pipelined look-ahead guesses (never `exclude`).
 
+    `warped` (the warped draft row) is read by the "race" strategy only.
+
     "sample": by the drafter's logits, highest first (ties: lowest id), so greedy and top-k
     rows, whose warped support is one or few tokens, still yield m guesses. "race": the first
     arrivals of the verifier's race at that position under the warped draft row (ERSD's target

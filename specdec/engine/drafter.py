@@ -245,7 +245,8 @@ class DrafterEngine:
             return races[position]
 
         def guesses(row_logits: torch.Tensor, m: int, position: int, exclude: int | None) -> list[int]:
-            warped = _warp(row_logits, params)
+            # "sample" ranks by logits: the softmax over the vocabulary is only needed for races.
+            warped = _warp(row_logits, params) if strategy == "race" else row_logits
             return guess_tokens(row_logits, warped, m, strategy, race_at(position), exclude)
 
         # (replaces_last, token, parent block entry, length of the hypothesis context)
