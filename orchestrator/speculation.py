@@ -864,14 +864,7 @@ class Orchestrator:
                 sampling=run.sampling, seed=run.seed, strategy=strategy, want_distributions=want,
             ))
 
-        async def settled_call() -> DraftResult:
-            await self._settle_drafter(run)  # a run's drafter calls never overtake each other
-            return await self._session_call(run, "drafter_mirror", target, call)
-
-        try:
-            return await timeline.timed("draft", settled_call())
-        except PeerUnavailable as exc:
-            raise _DrafterDown(exc) from exc
+        return await self._drafter_call(run, target, call, timeline, "draft")
 
     async def _lookahead(
         self, run: _Run, context: list[int], k: int, strategy: str, want: bool, timeline: _Timeline
@@ -886,12 +879,21 @@ class Orchestrator:
                 bonus_guesses=_bonus_guesses(run, k), rejection_guesses=_rejection_guesses(run),
             ))
 
-        async def settled_call() -> LookaheadResult:
-            await self._settle_drafter(run)  # a run's drafter calls never overtake each other
-            return await self._session_call(run, "drafter_mirror", context, call)
+        return await self._drafter_call(run, context, call, timeline, "lookahead")
+
+    async def _drafter_call(
+        self, run: _Run, target: list[int], call: Callable[[int, list[int]], Awaitable[T]],
+        timeline: _Timeline, op: str,
+    ) -> T:
+        """One drafter call that leaves the drafter holding `target`: after any abandoned pre-draft
+        (a run's drafter calls never overtake each other), timed, a lost drafter as _DrafterDown."""
+
+        async def settled_call() -> T:
+            await self._settle_drafter(run)
+            return await self._session_call(run, "drafter_mirror", target, call)
 
         try:
-            return await timeline.timed("draft", settled_call(), "lookahead")
+            return await timeline.timed("draft", settled_call(), op)
         except PeerUnavailable as exc:
             raise _DrafterDown(exc) from exc
 
