@@ -35,8 +35,8 @@ def _tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.prompts import load_prompts, prompt_ids
     from specdec import analysis
+    from specdec.prompts import load_prompts, prompt_ids
     from specdec.runtime.loading import PRECISIONS, load_model
     from specdec.sampling import SamplingParams
 

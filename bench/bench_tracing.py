@@ -40,9 +40,9 @@ for _key in [k for k in os.environ if k.startswith("OTEL_")]:
 import torch  # noqa: E402
 
 from orchestrator import metrics  # noqa: E402
-from orchestrator.api import GenerationRequest  # noqa: E402
 from orchestrator.speculation import Orchestrator  # noqa: E402
 from orchestrator.tracing import combine_observers, configure_tracing  # noqa: E402
+from specdec.generation import GenerationRequest  # noqa: E402
 
 MODES = ("off", "metrics", "file", "otlp", "all")
 
@@ -68,7 +68,7 @@ class Collector:
         self.out = workdir / "otlp.jsonl"
         ready = workdir / "collect.ready.json"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.observability_cli", "trace-collect", "--port", "0", "--out",
+            [sys.executable, "-m", "specdec.cli.observability", "trace-collect", "--port", "0", "--out",
              str(self.out), "--ready-file", str(ready), "--duration", "3600"],
             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -89,7 +89,7 @@ async def _run_mode(mode: str, transport: str, engines, requests, workdir: Path,
     from drafter_service.server import start_drafter_server
     from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
     from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
-    from proto.grpc_support import stop_server
+    from specdec.rpc.grpc_support import stop_server
     from verifier_service.server import start_verifier_server
 
     drafter, verifier = engines
@@ -179,7 +179,7 @@ def _row(mode: str, samples: list[Sample], base: list[Sample]) -> str:
 
 
 def _fake_record(index: int):
-    from orchestrator.api import IterationRecord
+    from specdec.generation import IterationRecord
 
     now = time.time()
     return IterationRecord(request_id="bench", index=index, position=10 + index, method="token", k=4,
@@ -214,7 +214,7 @@ async def _time_rpc(engine, interceptors: tuple[list, list], observers: list,
     """(wall, CPU) µs per unary gRPC round trip (Info) on loopback, client and server in this process."""
     from drafter_service.server import start_drafter_server
     from orchestrator.clients.grpc_client import GrpcDrafterClient
-    from proto.grpc_support import stop_server
+    from specdec.rpc.grpc_support import stop_server
 
     server, port = await start_drafter_server(engine, interceptors=interceptors[0], observers=observers)
     client = GrpcDrafterClient(f"127.0.0.1:{port}", interceptors=interceptors[1])

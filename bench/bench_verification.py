@@ -27,10 +27,12 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(ROOT))
 
 from specdec.drafting import select_children  # noqa: E402
+from specdec.methods import get_method  # noqa: E402
 from specdec.races import race  # noqa: E402
 from specdec.randomness import TorchRandomSource  # noqa: E402
 from specdec.trees import DraftTree, optimal_tree_shape  # noqa: E402
-from specdec.verification import MethodParams, needs_draft_probs, verify  # noqa: E402
+from specdec.verification.base import MethodParams  # noqa: E402
+from specdec.verification.dispatch import verify  # noqa: E402
 
 # Rough cost of the target's forward pass this compares against (Qwen2.5-1.5B, one CPU core).
 TARGET_FORWARD_1_TOKEN_MS = 370.0
@@ -82,9 +84,8 @@ def build_cases(vocab: int, k: int, budget: int, seed: int, scale: float, noise:
     def add(name: str, method: str, shape: list[int], strategy: str, params: MethodParams) -> None:
         target, draft = make_rows(len(shape) + 1, vocab, generator, scale, noise)
         tree = fill_tree(shape, draft, strategy, source, params.seed, params.position)
-        cases.append(
-            Case(name, method, tree, target, draft if needs_draft_probs(method, params) else None, params)
-        )
+        rows = draft if get_method(method).needs_rows(params, len(tree)) else None
+        cases.append(Case(name, method, tree, target, rows, params))
 
     add(f"token (sequence k={k})", "token", sequence, "sample", MethodParams())
     add(f"block (sequence k={k})", "block", sequence, "sample", MethodParams())

@@ -9,7 +9,7 @@ What one run does, in order:
    int8 is the fast choice on a CPU; the baseline uses the same precision);
 2. runs the analyser (specdec.analysis) on the same prompts: α, c, λ, best k, tree, a;
 3. starts drafter and verifier as gRPC servers in their own processes, pinned to disjoint
-   cores (`python -m orchestrator.cli serve ...`, as `specdec up` does), unless --no-grpc;
+   cores (`python -m specdec.cli serve ...`, as `specdec up` does), unless --no-grpc;
 4. runs every configuration on every prompt with the same sampling parameters and seed,
    round-robin over configurations per prompt (the order rotates from prompt to prompt), for
    `--repeats` rounds: plain target decoding with HF `generate` (the baseline), HF assisted
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.intervals import covered
+from specdec.methods import SPECULATIVE_METHOD_NAMES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-PIPELINE_METHODS = ("token", "block", "ersd", "gsd-tree", "rd", "ersd-tree")
+PIPELINE_METHODS = (*SPECULATIVE_METHOD_NAMES, "ersd-tree")  # ersd-tree: ersd drafting trees
 
 Progress = Callable[[str], None]
 
@@ -306,7 +307,7 @@ def run_hf(target, draft, prompt: list[int], settings: BenchSettings, seed: int,
 async def run_pipeline(
     orchestrator, log: CallLog, prompt: list[int], cfg: RunConfig, settings: BenchSettings, seed: int
 ) -> RunRecord:
-    from orchestrator.api import GenerationRequest
+    from specdec.generation import GenerationRequest
     from specdec.sampling import SamplingParams
 
     request = GenerationRequest(
@@ -534,13 +535,13 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> dict
     """Run the whole benchmark; returns the results dictionary (also written to out_dir)."""
     import torch
 
-    from bench.prompts import load_prompts, prompt_ids
     from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
     from orchestrator.config import OrchestratorConfig
     from orchestrator.speculation import Orchestrator
     from specdec import analysis as analysis_mod
     from specdec.engine.drafter import DrafterEngine
     from specdec.engine.verifier import VerifierEngine
+    from specdec.prompts import load_prompts, prompt_ids
     from specdec.runtime.loading import load_model
     from specdec.sampling import SamplingParams
 
@@ -798,7 +799,8 @@ def summarise(configs: Sequence[RunConfig], records: Sequence[RunRecord], analys
 
 
 def write_outputs(results: dict[str, Any], analysis_dict: dict[str, Any], out_dir: Path) -> None:
-    from bench import plots
+    from bench.plots import plot_bench
+    from specdec.plots import plot_analysis
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "analysis.json").write_text(json.dumps(analysis_dict, indent=1))
@@ -807,8 +809,8 @@ def write_outputs(results: dict[str, Any], analysis_dict: dict[str, Any], out_di
     for row in results["summary"]:
         if row["method"] == "rd" and row["transport"] == "inprocess" and row["speedup"] and base:
             measured_rd.append((float(row["a"]), float(row["speedup"])))
-    files = plots.plot_analysis(analysis_dict, out_dir, measured_rd)
-    files.append(plots.plot_bench(results, out_dir / "bench_tps.png"))
+    files = plot_analysis(analysis_dict, out_dir, measured_rd)
+    files.append(plot_bench(results, out_dir / "bench_tps.png"))
     results["files"] = [str(Path(f).name) for f in files] + ["results.json", "analysis.json", "summary.md"]
     (out_dir / "results.json").write_text(json.dumps(_json_safe(results), indent=1))
     (out_dir / "summary.md").write_text(summary_markdown(results))

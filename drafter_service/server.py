@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 
-from proto import convert
-from proto.grpc_support import (
+from specdec.rpc import convert
+from specdec.rpc.grpc_support import (
     DEFAULT_MAX_MESSAGE_MB,
     guarded,
     run_blocking,
@@ -23,7 +23,7 @@ from proto.grpc_support import (
     serve_until_signal,
     start_engine_server,
 )
-from proto.specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specdec.rpc.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,9 @@ async def start_drafter_server(
 
     max_workers: threads running engine calls. 1 serialises them (safe for any engine); raise it
     only for an engine that is thread-safe across sessions. Stop with
-    proto.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
-    observers: told about every engine call (tracing spans, metrics); see proto.grpc_support.run_observed.
+    specdec.rpc.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
+    observers: told about every engine call (tracing spans, metrics); see
+    specdec.rpc.grpc_support.run_observed.
     """
     return await start_engine_server(
         lambda executor: DrafterServicer(engine, executor, observers),

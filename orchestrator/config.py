@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from orchestrator.api import GENERATION_METHODS
+from specdec.methods import METHOD_NAMES
 
 
 class OrchestratorConfig(BaseSettings):
@@ -68,8 +68,8 @@ class OrchestratorConfig(BaseSettings):
     @field_validator("default_method")
     @classmethod
     def _known_method(cls, value: str) -> str:
-        if value not in GENERATION_METHODS:
-            raise ValueError(f"default_method must be one of {', '.join(GENERATION_METHODS)}, got {value!r}")
+        if value not in METHOD_NAMES:
+            raise ValueError(f"default_method must be one of {', '.join(METHOD_NAMES)}, got {value!r}")
         return value
 
     @field_validator("rank_acceptance")

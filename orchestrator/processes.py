@@ -2,7 +2,7 @@
 
 Kept apart from the CLI so that the CLI stays a parser/adapter and so that tests can start the
 same child processes the way `up` does. Children:
-- run `python -m orchestrator.cli serve <role> ...` (the very command a user would run by hand);
+- run `python -m specdec.cli serve <role> ...` (the very command a user would run by hand);
 - get their own session (a terminal Ctrl-C reaches only the supervisor, which then stops them in
   order) and, on Linux, a parent-death signal, so they never outlive a supervisor that was killed;
 - report where they listen through a small JSON "ready file", which lets them bind port 0.
@@ -189,7 +189,7 @@ def _child_preexec() -> None:  # pragma: no cover - runs in the child between fo
 
 def cli_command(*args: str) -> list[str]:
     """argv that runs this package's CLI with the current interpreter (no install needed)."""
-    return [sys.executable, "-m", "orchestrator.cli", *args]
+    return [sys.executable, "-m", "specdec.cli", *args]
 
 
 @dataclass

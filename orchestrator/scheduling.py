@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from orchestrator.config import OrchestratorConfig
+from specdec.methods import get_method
 from specdec.randomness import TorchRandomSource
 from specdec.trees import optimal_tree_shape
 from specdec.verification.rd import leading_heads
-
-SPECULATIVE_METHODS = ("token", "block", "ersd", "gsd-tree", "rd")
 
 
 def sequence_shape(k: int) -> list[int]:
@@ -23,11 +22,10 @@ def sequence_shape(k: int) -> list[int]:
 
 def default_k(method: str, config: OrchestratorConfig) -> int:
     """Draft length (or RD k_max, or tree budget) when the request gives none."""
-    if method == "gsd-tree":
-        return config.default_tree_budget
-    if method == "autoregressive":
+    spec = get_method(method)
+    if not spec.speculative:
         return 0
-    return config.default_k
+    return config.default_tree_budget if spec.k_is_tree_budget else config.default_k
 
 
 def tree_budget_for(
@@ -35,18 +33,16 @@ def tree_budget_for(
 ) -> int | None:
     """Node budget of the draft tree, or None when the method drafts a sequence.
 
-    gsd-tree always drafts a tree (tree_budget, else k, else the default); ersd drafts a tree
-    only when a budget is asked for (request or config), otherwise a sequence of k tokens.
+    A tree-only method (gsd-tree) always drafts a tree (tree_budget, else k, else the default);
+    a method that drafts either (ersd) drafts a tree only when a budget is asked for (request or
+    config), otherwise a sequence of k tokens.
     """
-    if method == "gsd-tree":
+    spec = get_method(method)
+    if not spec.drafts_trees:
+        return None
+    if not spec.drafts_sequences:
         return tree_budget or k or config.default_tree_budget
-    if method == "ersd":
-        return tree_budget or config.ersd_tree_budget
-    return None
-
-
-def default_a(config: OrchestratorConfig) -> float:
-    return config.default_a
+    return tree_budget or config.ersd_tree_budget
 
 
 def rd_leading_heads(a: float, k_max: int, seed: int, position: int) -> int:

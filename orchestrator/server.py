@@ -16,15 +16,15 @@ from typing import Any
 
 import grpc
 
-from proto import convert
-from proto.grpc_support import (
+from specdec.rpc import convert
+from specdec.rpc.grpc_support import (
     DEFAULT_MAX_MESSAGE_MB,
     guarded,
     guarded_stream,
     serve_until_signal,
     start_server,
 )
-from proto.specdec.v1 import generation_pb2, generation_pb2_grpc
+from specdec.rpc.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -68,15 +68,7 @@ from typing import Any, TypeVar
 import torch
 
 from orchestrator import scheduling
-from orchestrator.api import (
-    GENERATION_METHODS,
-    GenerationChunk,
-    GenerationRequest,
-    GenerationResult,
-    GenerationStats,
-    IterationRecord,
-)
-from orchestrator.clients.base import DrafterClient, PeerUnavailable, VerifierClient
+from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.intervals import overlap
 from orchestrator.store import RequestRecord, Store, open_store
@@ -88,11 +80,20 @@ from specdec.engine.api import (
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
+    PeerUnavailable,
     ScoreRequest,
     SessionGone,
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.generation import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    IterationRecord,
+)
+from specdec.methods import METHOD_NAMES, METHODS
 from specdec.sampling import SamplingParams
 from specdec.trees import DraftTree
 from specdec.verification.base import MethodParams
@@ -355,9 +356,9 @@ class Orchestrator:
         target = self.target_info
         assert target is not None
         method = request.method or config.default_method
-        if method not in GENERATION_METHODS:
+        if method not in METHODS:
             raise InvalidRequest(
-                f"method: unknown method {method!r}; choose one of {', '.join(GENERATION_METHODS)}"
+                f"method: unknown method {method!r}; choose one of {', '.join(METHOD_NAMES)}"
             )
         _check_range("max_new_tokens", request.max_new_tokens, config.max_new_tokens_limit)
         # k is the draft length, except for gsd-tree where it is the tree budget.
@@ -1098,7 +1099,7 @@ def _rows(draft: DraftResult, n: int) -> torch.Tensor:
 def _rd_a(method: str, a: float | None, config: OrchestratorConfig) -> float | None:
     if method != "rd":
         return None
-    return float(a) if a is not None else scheduling.default_a(config)
+    return float(a) if a is not None else config.default_a
 
 
 def _check_range(name: str, value: int | None, limit: int, low: int = 1) -> None:

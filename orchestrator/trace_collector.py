@@ -140,7 +140,7 @@ async def start_collector(
     on_spans: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> tuple[grpc.aio.Server, int, TraceCollector]:
     """Start the OTLP/gRPC receiver (+ health); returns (server, bound port, collector)."""
-    from proto.grpc_support import start_server
+    from specdec.rpc.grpc_support import start_server
 
     collector = TraceCollector(out, on_spans)
     server, bound = await start_server(
@@ -154,7 +154,7 @@ async def run_collector(host: str, port: int, out: str | Path, *, duration_s: fl
                         max_spans: int | None = None, ready: Callable[[int], None] | None = None,
                         grace_s: float = 2.0) -> TraceCollector:
     """Receive until SIGINT/SIGTERM, `duration_s` seconds, or `max_spans` spans; returns the collector."""
-    from proto.grpc_support import serve_until_signal
+    from specdec.rpc.grpc_support import serve_until_signal
 
     server, bound, collector = await start_collector(host, port, out)
     if ready is not None:
@@ -170,7 +170,7 @@ async def run_collector(host: str, port: int, out: str | Path, *, duration_s: fl
         if stoppers:
             await asyncio.wait([serving, *stoppers], return_when=asyncio.FIRST_COMPLETED)
             if not serving.done():
-                from proto.grpc_support import stop_server
+                from specdec.rpc.grpc_support import stop_server
 
                 await stop_server(server, grace_s)
         await serving

@@ -1,19 +1,8 @@
-"""specdec core: exact speculative decoding, free of any I/O.
+"""specdec: exact speculative decoding for Hugging Face causal LMs.
 
-Importing this package never imports grpc, redis or OpenTelemetry; the services and the
-orchestrator are thin adapters around what lives here.
+This package holds the pure core (sampling, races, trees, verification, the method registry,
+theory and analysis, the model runtime and the engines) and, in subpackages above it, the
+contract and transport (specdec.rpc) and the command line (specdec.cli). The core never imports
+grpc, redis or OpenTelemetry (tests/test_architecture.py checks the layering with import-linter).
+Importing this package itself imports nothing: `import specdec.methods` stays light.
 """
-
-from specdec.randomness import RandomSource, TorchRandomSource, derive_seed, make_generator
-from specdec.sampling import SamplingParams, warp_logits
-from specdec.trees import DraftTree
-
-__all__ = [
-    "DraftTree",
-    "RandomSource",
-    "SamplingParams",
-    "TorchRandomSource",
-    "derive_seed",
-    "make_generator",
-    "warp_logits",
-]

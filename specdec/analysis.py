@@ -18,7 +18,7 @@ What is measured, and how:
   one token (T_p, T_q) and n tokens (the verifier's cost of scoring a draft of n − 1 tokens).
 
 Everything else is the formulas of specdec.theory evaluated on these measurements. Nothing here
-does file I/O; rendering and saving live in the adapters (orchestrator.analyze_cli, bench).
+does file I/O; rendering and saving live in the adapters (specdec.cli.analyze, bench).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from specdec import theory
 from specdec.randomness import TorchRandomSource, make_generator
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import DraftTree, optimal_tree_shape
-from specdec.verification import verify
 from specdec.verification.base import MethodParams
+from specdec.verification.dispatch import verify
 
 Progress = Callable[[str], None]
 DEFAULT_TIMING_SIZES = (1, 2, 3, 5, 9, 17)

@@ -3,7 +3,7 @@
 The orchestrator only ever talks to these protocols. The in-process transport calls the
 engines directly (in worker threads, so drafter and verifier still run concurrently); the gRPC
 transport sends the same requests over the wire. Errors surface as the engine exceptions of
-specdec.engine.api (InvalidRequest, SessionGone, …) or PeerUnavailable on both transports.
+specdec.engine.api (InvalidRequest, SessionGone, PeerUnavailable, …) on both transports.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Protocol
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
-    EngineError,
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
@@ -21,10 +20,6 @@ from specdec.engine.api import (
     VerifyOutcome,
     VerifyRequest,
 )
-
-
-class PeerUnavailable(EngineError):
-    """The service cannot be reached (→ UNAVAILABLE); the message names the address."""
 
 
 class DrafterClient(Protocol):

@@ -4,7 +4,7 @@ A client never hangs: every call carries a deadline (`timeout_s`) and fails fast
 is down (wait_for_ready=False). Status codes map back to the exceptions the in-process
 transport raises: UNAVAILABLE / DEADLINE_EXCEEDED → PeerUnavailable (naming the address),
 FAILED_PRECONDITION → SessionGone, INVALID_ARGUMENT → InvalidRequest, anything else →
-proto.grpc_support.RemoteError (an EngineError carrying the code).
+specdec.rpc.grpc_support.RemoteError (an EngineError carrying the code).
 
 Channels are opened lazily on first use inside the running event loop (a grpc.aio channel
 belongs to one loop) and reopened if the client is used from another loop.
@@ -19,16 +19,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.api import GenerationChunk, GenerationRequest, GenerationResult
-from proto import convert
-from proto.grpc_support import DEFAULT_MAX_MESSAGE_MB, error_from_status, message_options
-from proto.specdec.v1 import (
-    common_pb2,
-    drafter_pb2_grpc,
-    generation_pb2_grpc,
-    verifier_pb2,
-    verifier_pb2_grpc,
-)
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
@@ -40,6 +30,16 @@ from specdec.engine.api import (
     ScoreRequest,
     VerifyOutcome,
     VerifyRequest,
+)
+from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult
+from specdec.rpc import convert
+from specdec.rpc.grpc_support import DEFAULT_MAX_MESSAGE_MB, error_from_status, message_options
+from specdec.rpc.v1 import (
+    common_pb2,
+    drafter_pb2_grpc,
+    generation_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
 )
 
 DEFAULT_TIMEOUT_S = 60.0

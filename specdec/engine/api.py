@@ -38,6 +38,10 @@ class SessionGone(EngineError):
     """Session unknown/evicted or behind the caller (→ FAILED_PRECONDITION); resend context."""
 
 
+class PeerUnavailable(EngineError):
+    """A service cannot be reached (→ UNAVAILABLE); the message names the address."""
+
+
 class ContextTooLong(InvalidRequest):
     """Sequence would exceed the model's context window (→ INVALID_ARGUMENT)."""
 

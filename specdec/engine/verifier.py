@@ -30,17 +30,17 @@ from specdec.engine.api import (
     VerifyRequest,
 )
 from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
+from specdec.methods import Method, verification_method
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import TreeScore, commit_path, score_tree
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import DraftTree, DraftTreeError
-from specdec.verification.base import METHODS, MethodParams, VerificationError
+from specdec.verification.base import MethodParams, VerificationError, check_rows
+from specdec.verification.dispatch import verify
 
 MAX_TREE_NODES = 1024
-# Methods whose empty-tree case reads no draft row (it is one sample from the target's row 0).
-_NO_DRAFT_ROWS_WHEN_EMPTY = ("token", "block", "gsd-tree")
 
 
 @dataclass
@@ -69,17 +69,10 @@ class VerifierEngine:
         sessions: SessionConfig | None = None,
         clock=time.monotonic,
         verify_fn: Callable | None = None,
-        needs_draft_probs_fn: Callable | None = None,
     ) -> None:
-        """`verify_fn` / `needs_draft_probs_fn` default to specdec.verification's (tests may swap them)."""
-        if verify_fn is None or needs_draft_probs_fn is None:
-            from specdec.verification import needs_draft_probs, verify
-
-            verify_fn = verify_fn or verify
-            needs_draft_probs_fn = needs_draft_probs_fn or needs_draft_probs
+        """`verify_fn` defaults to specdec.verification.dispatch.verify (tests may swap it)."""
         self.loaded = loaded
-        self._verify = verify_fn
-        self._needs_draft_probs = needs_draft_probs_fn
+        self._verify = verify_fn or verify
         self._forward_lock = threading.Lock()  # one forward pass at a time on this model
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         self.sessions: SessionStore[VerifierSession] = SessionStore(self._new_session, sessions, clock)
@@ -145,11 +138,13 @@ class VerifierEngine:
     def verify(self, request: VerifyRequest) -> VerifyOutcome:
         tree = self._tree(request.tree_tokens, request.tree_parents)
         _check_sampling(request.sampling)
-        if request.method not in METHODS:
-            raise InvalidRequest(f"method must be one of {', '.join(METHODS)}, got {request.method!r}")
+        try:
+            method = verification_method(request.method)
+        except VerificationError as exc:
+            raise InvalidRequest(f"method: {exc}") from exc
         if not isinstance(request.params, MethodParams):
             raise InvalidRequest("params must be a MethodParams")
-        draft_probs = self._draft_rows(request, tree)
+        draft_probs = self._draft_rows(request, method, tree)
         with self.sessions.use(request.session_id, request.base_len) as session:
             committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
             key = _key(committed, tree)
@@ -162,9 +157,7 @@ class VerifierEngine:
 
             began = time.perf_counter()
             target_rows = warp_logits(score.logits, request.sampling)
-            if draft_probs is None and len(tree) == 0 and request.method in _NO_DRAFT_ROWS_WHEN_EMPTY:
-                draft_probs = target_rows  # shape placeholder: an empty tree's step reads no draft row
-            elif draft_probs is not None:
+            if draft_probs is not None:
                 draft_probs = draft_probs.to(target_rows.device)
             # The engine knows the committed length; ERSD's races are keyed on it.
             params = dataclasses.replace(request.params, position=len(committed))
@@ -230,31 +223,14 @@ class VerifierEngine:
         except DraftTreeError as exc:
             raise InvalidRequest(f"tree_parents: {exc}") from exc
 
-    def _draft_rows(self, request: VerifyRequest, tree: DraftTree) -> torch.Tensor | None:
+    def _draft_rows(self, request: VerifyRequest, method: Method, tree: DraftTree) -> torch.Tensor | None:
+        """The request's draft rows where the method reads them, checked before any forward pass."""
         try:
-            needed = self._needs_draft_probs(request.method, request.params)
-        except VerificationError as exc:
-            raise InvalidRequest(f"params: {exc}") from exc
-        rows = request.draft_probs
-        if not needed:
-            return None
-        if rows is None:
-            if len(tree) == 0 and request.method in _NO_DRAFT_ROWS_WHEN_EMPTY:
+            if not method.needs_rows(request.params, len(tree)):
                 return None
-            raise InvalidRequest(f"draft_probs are required by method {request.method!r}")
-        vocab = self.loaded.info.vocab_size
-        if (
-            not isinstance(rows, torch.Tensor)
-            or rows.dim() != 2
-            or tuple(rows.shape) != (len(tree) + 1, vocab)
-        ):
-            shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
-            raise InvalidRequest(
-                f"draft_probs must have shape [n + 1, V] = [{len(tree) + 1}, {vocab}], got {shape}"
-            )
-        if not rows.is_floating_point():
-            raise InvalidRequest(f"draft_probs must be floating point, got {rows.dtype}")
-        return rows
+            return check_rows(tree, request.draft_probs, "draft", self.loaded.info.vocab_size)
+        except VerificationError as exc:
+            raise InvalidRequest(f"draft_probs: {exc}") from exc
 
 
 def _check_sampling(sampling: object) -> None:

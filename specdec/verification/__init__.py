@@ -1,27 +1,11 @@
-"""Verification methods behind one entry point, `verify`.
+"""Verification methods, one module each (docs/algorithms.md §1–§5), sharing base.py.
 
 token     Leviathan et al. / Chen et al. token-by-token rejection (sequence drafts).
-block     Sun et al. block verification (sequence drafts; optimal, never worse than token).
+block     Sun et al. block verification (sequence drafts; never worse than token).
 ersd      exponential races (sequence, batch or tree; needs no draft distributions).
-gsd-tree  multi-candidate trees, recursive rejection of children drawn without replacement.
+gsd_tree  multi-candidate trees, recursive rejection of children drawn without replacement.
 rd        randomised drafting with per-position coins (k >= 1, including the no-draft step).
+
+The entry point is specdec.verification.dispatch.verify; what each method needs is in the
+registry, specdec.methods.
 """
-
-from specdec.verification.base import (
-    METHODS,
-    MethodParams,
-    VerificationError,
-    VerifyResult,
-    residual,
-)
-from specdec.verification.methods import needs_draft_probs, verify
-
-__all__ = [
-    "METHODS",
-    "MethodParams",
-    "VerificationError",
-    "VerifyResult",
-    "needs_draft_probs",
-    "residual",
-    "verify",
-]

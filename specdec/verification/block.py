@@ -9,15 +9,9 @@ path's conditionals.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
-from specdec.verification.base import MethodParams, VerifyResult, residual
-from specdec.verification.token import require_sequence
-
-if TYPE_CHECKING:
-    from specdec.verification.methods import Rows
+from specdec.verification.base import MethodParams, Rows, VerifyResult, require_sequence, residual
 
 
 def block_weights(p: list[float], q: list[float]) -> list[float]:
@@ -43,10 +37,10 @@ def verify_block(
     source: RandomSource,
 ) -> VerifyResult:
     require_sequence(tree, "block")
-    assert draft is not None
     k = len(tree)
-    if k == 0:
+    if k == 0:  # nothing to check: the step samples the target's row (no draft row is read)
         return VerifyResult([source.categorical(target.row(0))])
+    assert draft is not None
     positions = list(range(k))
     w = block_weights(target.at(positions, tree.tokens), draft.at(positions, tree.tokens))
 

@@ -9,17 +9,12 @@ how many of those tokens one target pass confirms. No RandomSource, no draft dis
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from specdec.races import race, race_scores
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
-from specdec.verification.base import MethodParams, VerificationError, VerifyResult
-
-if TYPE_CHECKING:
-    from specdec.verification.methods import Rows
+from specdec.verification.base import MethodParams, Rows, VerificationError, VerifyResult
 
 
 def verify_ersd(

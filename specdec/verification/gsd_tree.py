@@ -10,17 +10,11 @@ so the first child of every node costs two scalars.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
-from specdec.verification.base import MethodParams, VerifyResult, residual
-from specdec.verification.token import acceptance
-
-if TYPE_CHECKING:
-    from specdec.verification.methods import Rows
+from specdec.verification.base import MethodParams, Rows, VerifyResult, acceptance, residual
 
 
 def verify_gsd_tree(
@@ -30,6 +24,8 @@ def verify_gsd_tree(
     params: MethodParams,
     source: RandomSource,
 ) -> VerifyResult:
+    if len(tree) == 0:  # nothing to check: the step samples the target's row (no draft row is read)
+        return VerifyResult([source.categorical(target.row(0))])
     assert draft is not None
     node = -1
     accepted: list[int] = []

@@ -9,21 +9,18 @@ target sampling. Each position is the paper's one-step scheme, which is exact fo
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
-
+from specdec.methods import check_drafting_probability
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
-from specdec.verification.base import MethodParams, VerificationError, VerifyResult, residual
-from specdec.verification.token import acceptance, require_sequence
-
-if TYPE_CHECKING:
-    from specdec.verification.methods import Rows
-
-
-def check_a(a: float) -> None:
-    if not (isinstance(a, (int, float)) and math.isfinite(a) and 0.0 <= a <= 1.0):
-        raise VerificationError(f"RD drafting probability a must lie in [0, 1], got {a!r}")
+from specdec.verification.base import (
+    MethodParams,
+    Rows,
+    VerificationError,
+    VerifyResult,
+    acceptance,
+    require_sequence,
+    residual,
+)
 
 
 def check_k_max(k_max: int) -> None:
@@ -33,7 +30,7 @@ def check_k_max(k_max: int) -> None:
 
 def leading_heads(a: float, k_max: int, source: RandomSource) -> int:
     """K: coins ~ Bernoulli(a) flipped until the first tails or k_max heads (the orchestrator's draw)."""
-    check_a(a)
+    check_drafting_probability(a)
     check_k_max(k_max)
     heads = 0
     while heads < k_max and source.bernoulli(a):
@@ -49,7 +46,7 @@ def verify_rd(
     source: RandomSource,
 ) -> VerifyResult:
     a, k_max = params.a, params.k_max
-    check_a(a)
+    check_drafting_probability(a)
     check_k_max(k_max)
     require_sequence(tree, "rd")
     k = len(tree)

@@ -13,7 +13,6 @@ import typer
 from rich.console import Console
 from typer.testing import CliRunner
 
-from bench.prompts import BUILTIN_PROMPTS, Prompt, dataset_file, load_prompts, prompt_ids
 from specdec.calibration import (
     Calibration,
     calibration_path,
@@ -21,6 +20,7 @@ from specdec.calibration import (
     pair_key,
     save_calibration,
 )
+from specdec.prompts import BUILTIN_PROMPTS, Prompt, dataset_file, load_prompts, prompt_ids
 
 # ----------------------------------------------------------------------------------------- calibration
 
@@ -123,7 +123,7 @@ def test_builtin_prompts_tokenize(tiny_models) -> None:
 
 
 def test_plots_are_pngs(tiny_analysis, tmp_path) -> None:
-    from bench.plots import plot_analysis
+    from specdec.plots import plot_analysis
 
     files = plot_analysis(tiny_analysis[0].to_dict(), tmp_path, [(0.5, 1.0)])
     assert sorted(f.name for f in files) == ["speedup_vs_k.png", "tokens_vs_budget.png", "tps_vs_a.png"]
@@ -135,11 +135,10 @@ def test_plots_are_pngs(tiny_analysis, tmp_path) -> None:
 
 
 def _app() -> typer.Typer:
-    from orchestrator.analyze_cli import analyze_app, bench_app
+    from specdec.cli.analyze import analyze_app
 
     app = typer.Typer()
     app.add_typer(analyze_app)
-    app.add_typer(bench_app)
     return app
 
 
@@ -199,7 +198,7 @@ def test_analyze_command_reports_bad_input_in_one_line(tmp_path) -> None:
 
 
 def test_report_renders_from_json(tiny_analysis) -> None:
-    from orchestrator.analyze_cli import render_analysis
+    from specdec.cli.analyze import render_analysis
 
     buffer = io.StringIO()
     render_analysis(json.loads(json.dumps(tiny_analysis[0].to_dict())), Console(file=buffer, width=160))

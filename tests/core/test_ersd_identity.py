@@ -16,8 +16,9 @@ from scipy.stats import chisquare
 from specdec.drafting import draft_tree
 from specdec.races import race, race_winner
 from specdec.trees import optimal_tree_shape
-from specdec.verification import MethodParams, verify
 from specdec.verification import ersd as ersd_module
+from specdec.verification.base import MethodParams
+from specdec.verification.dispatch import verify
 
 from .toy_models import SAMPLING_VARIANTS, Warped, anti_model, random_markov
 

@@ -21,10 +21,12 @@ import pytest
 import torch
 
 from specdec.drafting import draft_tree
+from specdec.methods import get_method
 from specdec.races import race, race_winner
 from specdec.randomness import RandomSource
-from specdec.verification import MethodParams, needs_draft_probs, verify
 from specdec.verification import token as token_module
+from specdec.verification.base import MethodParams
+from specdec.verification.dispatch import verify
 from specdec.verification.rd import leading_heads
 
 from .enumeration import EnumerationError, enumerate_outcomes, expectation, max_abs_difference
@@ -58,7 +60,7 @@ def one_iteration(
     )
     contexts = [list(prefix)] + [[*prefix, *tree.path_tokens(i)] for i in range(len(tree))]
     target_rows = target.rows_for(contexts)
-    draft_rows = draft.rows_for(contexts) if needs_draft_probs(method, params) else None
+    draft_rows = draft.rows_for(contexts) if get_method(method).needs_rows(params, len(tree)) else None
     return tuple(verify(method, tree, target_rows, draft_rows, params, source).tokens)
 
 

@@ -5,18 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.methods import SPECULATIVE_METHOD_NAMES as METHODS
 from specdec.randomness import TorchRandomSource
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import DraftTree
-from specdec.verification import (
-    METHODS,
-    MethodParams,
-    VerificationError,
-    VerifyResult,
-    needs_draft_probs,
-    verify,
-)
-from specdec.verification.methods import Rows
+from specdec.verification.base import MethodParams, Rows, VerificationError, VerifyResult
+from specdec.verification.dispatch import verify
 from specdec.verification.rd import leading_heads
 
 from .enumeration import enumerate_outcomes, max_abs_difference
@@ -240,17 +234,6 @@ def test_low_precision_rows_are_read_exactly_as_sent(dtype: torch.dtype) -> None
 
 
 # --- input validation ----------------------------------------------------------------------------
-
-
-def test_needs_draft_probs() -> None:
-    assert needs_draft_probs("token", MethodParams())
-    assert needs_draft_probs("block", MethodParams())
-    assert needs_draft_probs("gsd-tree", MethodParams())
-    assert not needs_draft_probs("ersd", MethodParams())
-    assert needs_draft_probs("rd", MethodParams(a=0.5, k_max=2))
-    assert not needs_draft_probs("rd", MethodParams(a=0.0, k_max=2))
-    with pytest.raises(VerificationError, match="unknown"):
-        needs_draft_probs("nope", MethodParams())
 
 
 SEQ = DraftTree.sequence([1, 2])

@@ -31,7 +31,7 @@ def cli_env() -> dict[str, str]:
 
 
 def cli_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", *args]
+    return [sys.executable, "-m", "specdec.cli", *args]
 
 
 def run_cli(*args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -138,6 +138,6 @@ def invoke_cli(*args: str):
     """
     from typer.testing import CliRunner
 
-    from orchestrator import cli
+    from specdec.cli import main as cli
 
     return CliRunner().invoke(cli.app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})

@@ -13,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from orchestrator import cli
+from specdec.cli import main as cli
 
 from .support import cli_env
 
@@ -92,11 +92,9 @@ def test_generate_help_names_methods_and_default_address() -> None:
 
 def test_cli_constants_match_the_modules_they_mirror() -> None:
     """The CLI repeats a few values to keep --help free of torch/grpc imports; they must agree."""
-    from orchestrator.api import GENERATION_METHODS
-    from proto.grpc_support import DEFAULT_MAX_MESSAGE_MB
     from specdec import models
+    from specdec.rpc.grpc_support import DEFAULT_MAX_MESSAGE_MB
 
-    assert cli.METHODS == tuple(GENERATION_METHODS)
     assert cli.DEFAULT_DRAFT == models.DEFAULT_DRAFT_MODEL
     assert cli.DEFAULT_TARGET == models.DEFAULT_TARGET_MODEL
     assert cli.DEFAULT_MAX_MESSAGE_MB == DEFAULT_MAX_MESSAGE_MB

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from orchestrator import processes
-from proto.specdec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from specdec.rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .support import (
     CLI_TIMEOUT_S,

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from orchestrator.processes import check_health
-from proto.specdec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from specdec.rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .support import TINY_CONTEXT, UpProcess, invoke_cli, json_lines, pid_alive, run_cli, wait_gone
 

@@ -5,7 +5,7 @@
 
 ROLE is drafter, verifier or orchestrator. --sleep slows every forward pass of the model by S
 seconds (so that concurrency shows on a tiny model). Observability comes from
-orchestrator.observability_cli.setup_observability, the same set-up `specdec serve` uses; the
+specdec.cli.observability.setup_observability, the same set-up `specdec serve` uses; the
 process stops cleanly on SIGTERM (flushing its spans) and prints "clean exit".
 """
 
@@ -33,9 +33,9 @@ def main() -> None:
     parser.add_argument("--metrics-port", type=int)
     args = parser.parse_args()
 
-    from orchestrator.observability_cli import setup_observability
     from orchestrator.processes import write_ready_file
-    from proto.grpc_support import serve_until_signal
+    from specdec.cli.observability import setup_observability
+    from specdec.rpc.grpc_support import serve_until_signal
 
     obs = setup_observability(args.role, trace_file=args.trace_file, otlp_endpoint=args.otlp_endpoint,
                               metrics_port=args.metrics_port)

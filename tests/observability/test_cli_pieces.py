@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.observability_cli import child_args, setup_observability
+from specdec.cli.observability import child_args, setup_observability
 
 
 def test_child_args_share_the_trace_file_and_spread_metrics_ports(tmp_path, monkeypatch):

@@ -53,7 +53,7 @@ async def test_otlp_and_file_sinks_agree(tmp_path):
 def test_trace_collect_command_receives_and_stops_by_itself(tmp_path):
     out, ready = tmp_path / "spans.jsonl", tmp_path / "collect.ready.json"
     process = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.observability_cli", "trace-collect", "--port", "0",
+        [sys.executable, "-m", "specdec.cli.observability", "trace-collect", "--port", "0",
          "--out", str(out), "--ready-file", str(ready), "--max-spans", "3", "--duration", "120"],
         cwd=ROOT, env=node_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)

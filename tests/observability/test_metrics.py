@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from orchestrator import metrics
-from orchestrator.api import GenerationRequest
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
-from orchestrator.observability_cli import setup_observability
 from orchestrator.speculation import Orchestrator
+from specdec.cli.observability import setup_observability
 from specdec.engine.api import DraftRequest
 from specdec.engine.sessions import SessionConfig
+from specdec.generation import GenerationRequest
 from specdec.sampling import SamplingParams
 
 from .support import scrape, total
@@ -74,9 +74,9 @@ async def test_engine_metrics_move_with_calls_over_grpc(tiny_loaded):
     """The engine observers behind real servers; evictions and sessions read at scrape time."""
     from drafter_service.server import start_drafter_server
     from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
-    from proto.grpc_support import stop_server
     from specdec.engine.drafter import DrafterEngine
     from specdec.engine.verifier import VerifierEngine
+    from specdec.rpc.grpc_support import stop_server
     from verifier_service.server import start_verifier_server
 
     drafter = DrafterEngine(tiny_loaded["draft"], SessionConfig(max_sessions=1))

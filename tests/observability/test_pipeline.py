@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.api import GenerationRequest, GenerationResult
 from orchestrator.intervals import intersections
 from orchestrator.tracing import DRAFT_SPAN, ITERATION_SPAN, REQUEST_SPAN, VERIFY_SPAN, configure_tracing
+from specdec.generation import GenerationRequest, GenerationResult
 
 from .support import Node, OtlpReceiver, ancestors, by_id, named, node_env, scrape, total
 from .test_dashboard import DASHBOARD, metric_names, queries

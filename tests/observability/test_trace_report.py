@@ -10,9 +10,7 @@ import struct
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.api import GenerationRequest
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
-from orchestrator.observability_cli import trace_app
 from orchestrator.speculation import Orchestrator
 from orchestrator.trace_report import (
     build_runs,
@@ -24,6 +22,8 @@ from orchestrator.trace_report import (
     summarize,
 )
 from orchestrator.tracing import configure_tracing, read_spans
+from specdec.cli.observability import trace_app
+from specdec.generation import GenerationRequest
 
 
 def _span(name, span_id, parent, start_ms, end_ms, **attributes):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.api import GenerationRequest
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.speculation import Orchestrator
@@ -18,6 +17,7 @@ from orchestrator.tracing import (
     otlp_settings,
     read_spans,
 )
+from specdec.generation import GenerationRequest
 
 from .support import ancestors, by_id, named
 
@@ -193,7 +193,7 @@ async def test_trace_context_crosses_grpc_into_the_services(engines, tmp_path):
     """Servers and clients in this process, but every call over loopback gRPC with the interceptors."""
     from drafter_service.server import start_drafter_server
     from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
-    from proto.grpc_support import stop_server
+    from specdec.rpc.grpc_support import stop_server
     from verifier_service.server import start_verifier_server
 
     tracing = configure_tracing("specdec-test", trace_file=tmp_path / "spans.jsonl")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.clients.base import PeerUnavailable
+from specdec.engine.api import PeerUnavailable
 from specdec.races import race, race_winner
 from specdec.sampling import SamplingParams, warp_logits
 

@@ -18,17 +18,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from orchestrator.api import GenerationRequest
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.speculation import Orchestrator
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
+from specdec.generation import GenerationRequest
 from specdec.runtime.loading import load_model
 from specdec.runtime.tiny import save_tiny_model
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import DraftTree
-from specdec.verification import needs_draft_probs
 from specdec.verification.base import VerifyResult
 
 pytestmark = pytest.mark.slow
@@ -184,8 +183,7 @@ def _rejection_samples_from_p(method, tree: DraftTree, target_probs, draft_probs
 
 
 async def test_a_broken_rule_is_caught(pair, exact_t1):
-    broken = VerifierEngine(pair[0], verify_fn=_rejection_samples_from_p,
-                            needs_draft_probs_fn=needs_draft_probs)
+    broken = VerifierEngine(pair[0], verify_fn=_rejection_samples_from_p)
     orch = make_orchestrator(pair, broken)
     samples = await sample(orch, "token", {"k": 2}, SamplingParams(1.0), range(SAMPLES))
     joint, first = p_values(samples, exact_t1)

@@ -14,7 +14,6 @@ import math
 import pytest
 from orch_helpers import FlakyDrafter, ForgetfulClient, hf_greedy, race_reference
 
-from orchestrator.api import GenerationRequest
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.intervals import overlap, union
@@ -24,6 +23,7 @@ from orchestrator.store import MemoryStore, RedisStore
 from specdec.engine.api import InvalidRequest, SessionGone
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
+from specdec.generation import GenerationRequest
 from specdec.runtime.loading import load_model
 from specdec.sampling import SamplingParams
 

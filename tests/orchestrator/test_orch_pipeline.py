@@ -18,13 +18,13 @@ import pytest
 from orch_helpers import FlakyDrafter, hf_greedy
 from test_orch_fidelity import exact_distribution, p_values, sample
 
-from orchestrator.api import GenerationRequest
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.speculation import Orchestrator
 from specdec.engine.api import InvalidRequest
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
+from specdec.generation import GenerationRequest
 from specdec.runtime.loading import load_model
 from specdec.runtime.tiny import save_tiny_model
 from specdec.sampling import SamplingParams

@@ -11,8 +11,6 @@ from dataclasses import replace
 
 import torch
 
-from orchestrator.api import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats
-from orchestrator.clients.base import PeerUnavailable
 from specdec.engine.api import (
     ContextTooLong,
     DraftRequest,
@@ -20,11 +18,13 @@ from specdec.engine.api import (
     EngineError,
     InvalidRequest,
     ModelInfo,
+    PeerUnavailable,
     ScoreRequest,
     SessionGone,
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats
 from specdec.sampling import SamplingParamsError
 from specdec.verification.base import VerificationError
 

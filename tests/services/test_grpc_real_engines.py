@@ -21,7 +21,6 @@ import torch  # noqa: E402
 from scipy import stats as scipy_stats  # noqa: E402
 
 from drafter_service.server import start_drafter_server  # noqa: E402
-from orchestrator.api import GenerationRequest  # noqa: E402
 from orchestrator.clients.grpc_client import (  # noqa: E402
     GenerationClient,
     GrpcDrafterClient,
@@ -30,7 +29,6 @@ from orchestrator.clients.grpc_client import (  # noqa: E402
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient  # noqa: E402
 from orchestrator.server import start_orchestrator_server  # noqa: E402
 from orchestrator.speculation import Orchestrator  # noqa: E402
-from proto.grpc_support import stop_server  # noqa: E402
 from specdec.engine.api import (  # noqa: E402
     DraftRequest,
     InvalidRequest,
@@ -41,10 +39,13 @@ from specdec.engine.api import (  # noqa: E402
 )
 from specdec.engine.drafter import DrafterEngine  # noqa: E402
 from specdec.engine.verifier import VerifierEngine  # noqa: E402
+from specdec.generation import GenerationRequest  # noqa: E402
+from specdec.methods import get_method  # noqa: E402
+from specdec.rpc.grpc_support import stop_server  # noqa: E402
 from specdec.runtime.loading import load_model  # noqa: E402
 from specdec.runtime.tiny import save_tiny_model  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
-from specdec.verification import MethodParams, needs_draft_probs  # noqa: E402
+from specdec.verification.base import MethodParams  # noqa: E402
 from verifier_service.server import start_verifier_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,8 +102,9 @@ async def speculate(
     committed = list(prompt)
     drafter_knows = verifier_knows = 0  # committed length each service was last told about
     params = MethodParams(seed=seed)
-    want = needs_draft_probs(method, params)
-    strategy = "race" if method == "ersd" else "sample"
+    spec = get_method(method)
+    want = spec.needs_draft_rows
+    strategy = spec.draft_strategy
     trace = Trace()
     for _ in range(4 * n_new + 4):  # bounded: every iteration emits at least one token
         if len(committed) - len(prompt) >= n_new:

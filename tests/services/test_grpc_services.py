@@ -17,21 +17,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from drafter_service.server import start_drafter_server
-from orchestrator.api import GenerationRequest
-from orchestrator.clients.base import PeerUnavailable
 from orchestrator.clients.grpc_client import GenerationClient, GrpcDrafterClient, GrpcVerifierClient
 from orchestrator.server import start_orchestrator_server
-from proto import convert
-from proto.grpc_support import RemoteError, stop_server
-from proto.specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.engine.api import (
     DraftRequest,
     EngineError,
     InvalidRequest,
+    PeerUnavailable,
     ScoreRequest,
     SessionGone,
     VerifyRequest,
 )
+from specdec.generation import GenerationRequest
+from specdec.rpc import convert
+from specdec.rpc.grpc_support import RemoteError, stop_server
+from specdec.rpc.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.verification.base import MethodParams
 from verifier_service.server import start_verifier_server
@@ -174,7 +174,7 @@ async def test_drafter_error_mapping(drafter, session, code, exc_type, text, cap
             await stub.Draft(convert.draft_request_to_proto(draft_request(session)), timeout=10)
     assert raw.value.code() == code
     assert text in raw.value.details()
-    with caplog.at_level(logging.ERROR, logger="proto.grpc_support"), pytest.raises(exc_type) as mapped:
+    with caplog.at_level(logging.ERROR, logger="specdec.rpc.grpc_support"), pytest.raises(exc_type) as mapped:
         await client.draft(draft_request(session))
     assert text in str(mapped.value)
     if exc_type is RemoteError:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.specdec.v1 import generation_pb2 as proto_dot_specdec_dot_v1_dot_generation__pb2
+from . import generation_pb2 as specdec_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/specdec/v1/generation_pb2_grpc.py depends on'
+        + ' but the generated code in specdec/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class GenerationServiceStub:
         """
         self.Generate = channel.unary_unary(
                 '/specdec.v1.GenerationService/Generate',
-                request_serializer=proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationResult.FromString,
+                request_serializer=specdec_dot_v1_dot_generation__pb2.GenerationRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_generation__pb2.GenerationResult.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/specdec.v1.GenerationService/GenerateStream',
-                request_serializer=proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationChunk.FromString,
+                request_serializer=specdec_dot_v1_dot_generation__pb2.GenerationRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_generation__pb2.GenerationChunk.FromString,
                 _registered_method=True)
 
 
@@ -70,13 +70,13 @@ def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationResult.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_generation__pb2.GenerationRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_generation__pb2.GenerationResult.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationChunk.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_generation__pb2.GenerationRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_generation__pb2.GenerationChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -105,8 +105,8 @@ class GenerationService:
             request,
             target,
             '/specdec.v1.GenerationService/Generate',
-            proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationResult.FromString,
+            specdec_dot_v1_dot_generation__pb2.GenerationRequest.SerializeToString,
+            specdec_dot_v1_dot_generation__pb2.GenerationResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -132,8 +132,8 @@ class GenerationService:
             request,
             target,
             '/specdec.v1.GenerationService/GenerateStream',
-            proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_generation__pb2.GenerationChunk.FromString,
+            specdec_dot_v1_dot_generation__pb2.GenerationRequest.SerializeToString,
+            specdec_dot_v1_dot_generation__pb2.GenerationChunk.FromString,
             options,
             channel_credentials,
             insecure,

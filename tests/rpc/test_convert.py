@@ -11,15 +11,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.api import (
-    GenerationChunk,
-    GenerationRequest,
-    GenerationResult,
-    GenerationStats,
-    IterationRecord,
-)
-from proto import convert
-from proto.specdec.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
@@ -32,6 +23,15 @@ from specdec.engine.api import (
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.generation import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    IterationRecord,
+)
+from specdec.rpc import convert
+from specdec.rpc.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2
 from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.verification.base import MethodParams
 

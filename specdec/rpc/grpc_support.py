@@ -31,8 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from orchestrator.clients.base import PeerUnavailable
-from specdec.engine.api import EngineError, InvalidRequest, SessionGone
+from specdec.engine.api import EngineError, InvalidRequest, PeerUnavailable, SessionGone
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,7 @@
-"""`specdec analyze` and `specdec bench`: typer sub-apps the main CLI mounts.
+"""`specdec analyze`: the workload analyser's command (a typer sub-app the main CLI mounts).
 
-    app.add_typer(analyze_app)   # → specdec analyze ...
-    app.add_typer(bench_app)     # → specdec bench ...
-
-An adapter only: parse options, load the models, call specdec.analysis / bench.run, render.
+The benchmark harness is a repo tool, not a command: `python -m bench.run` (bench/RESULTS.md).
+An adapter only: parse options, load the models, call specdec.analysis, render.
 Heavy imports (torch, transformers, matplotlib) happen inside the commands so `--help` is instant.
 """
 
@@ -27,7 +25,6 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 PROMPT_SETS = ("humaneval", "mtbench", "builtin")
 
 analyze_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-bench_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -134,10 +131,10 @@ def analyze(
 ) -> None:
     """Measure a draft/target pair (acceptance, divergences, entropies, rank acceptance, forward times)
     and report the best k, tree shape and RD draft probability a, expected speedups and the bounds."""
-    from bench.plots import plot_analysis
-    from bench.prompts import load_prompts, prompt_ids
     from specdec.calibration import Calibration, pair_key
     from specdec.calibration import save_calibration as save
+    from specdec.plots import plot_analysis
+    from specdec.prompts import load_prompts, prompt_ids
     from specdec.sampling import SamplingParams, SamplingParamsError
 
     if prompts not in PROMPT_SETS:
@@ -326,91 +323,3 @@ def render_analysis(data: dict[str, Any], console: Console) -> None:
     console.print(t)
     if bounds["speed_of_light"] is None and bounds.get("speed_of_light_min_p_cap") is not None:
         console.print(f"speed of light (Thm 1) needs P_cap ≥ {bounds['speed_of_light_min_p_cap']:.2f}")
-
-
-# ============================================================================================== bench
-
-
-@bench_app.command("bench")
-def bench(
-    draft: DraftOpt = DEFAULT_DRAFT,
-    target: TargetOpt = DEFAULT_TARGET,
-    prompts: PromptsOpt = "humaneval",
-    num_prompts: Annotated[
-        int, typer.Option("--num-prompts", help="How many prompts of the set to use.")
-    ] = 3,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="New tokens per generation.")] = 32,
-    repeats: Annotated[
-        int, typer.Option("--repeats", help="Rounds over every prompt and configuration.")
-    ] = 3,
-    temperature: TemperatureOpt = 1.0,
-    top_k: TopKOpt = 0,
-    top_p: TopPOpt = 1.0,
-    seed: Annotated[int, typer.Option("--seed", help="Base seed of every generation.")] = 1234,
-    methods: Annotated[
-        str,
-        typer.Option(
-            "--methods",
-            help="Pipeline methods, comma-separated: token, block, ersd, gsd-tree, rd, ersd-tree.",
-        ),
-    ] = "token,block,ersd,gsd-tree,rd",
-    rd_sweep: Annotated[
-        str, typer.Option("--rd-sweep", help="Extra RD draft probabilities a, comma-separated.")
-    ] = "0.25,0.5,0.75",
-    grpc: Annotated[
-        bool,
-        typer.Option(
-            "--grpc/--no-grpc",
-            help="Also run over gRPC with drafter and verifier servers pinned to separate cores.",
-        ),
-    ] = True,
-    hf_assisted: Annotated[
-        bool, typer.Option("--hf-assisted/--no-hf-assisted", help="Include HF assisted generation.")
-    ] = True,
-    threads: ThreadsOpt = 1,
-    out: Annotated[
-        Path, typer.Option("--out", help="Folder for results.json, analysis.json and the plots.")
-    ] = Path("bench/results"),
-    home: HomeOpt = None,
-) -> None:
-    """Benchmark the pair: HF generate (baseline), HF assisted generation and every pipeline method,
-    in-process and over gRPC, interleaved, medians over repeats (see bench/RESULTS.md)."""
-    from bench.run import PIPELINE_METHODS, BenchSettings, render_table, run_bench
-
-    method_list = tuple(m.strip() for m in methods.split(",") if m.strip())
-    unknown = [m for m in method_list if m not in PIPELINE_METHODS]
-    if unknown:
-        raise typer.BadParameter(f"unknown method(s) {unknown}", param_hint="--methods")
-    try:
-        sweep = tuple(float(a) for a in rd_sweep.split(",") if a.strip())
-    except ValueError:
-        raise typer.BadParameter("expected numbers such as 0.25,0.5", param_hint="--rd-sweep") from None
-    if prompts not in PROMPT_SETS:
-        raise typer.BadParameter(f"choose one of {', '.join(PROMPT_SETS)}", param_hint="--prompts")
-    settings = BenchSettings(
-        draft=str(draft),
-        target=str(target),
-        prompts=prompts,
-        num_prompts=num_prompts,
-        max_new_tokens=max_new_tokens,
-        repeats=repeats,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        methods=method_list,
-        rd_sweep=sweep,
-        grpc=grpc,
-        hf_assisted=hf_assisted,
-        threads=threads,
-        out_dir=str(out),
-        home=str(home) if home else None,
-    )
-    _resolve(draft, "draft", home)
-    _resolve(target, "target", home)
-    try:
-        results = run_bench(settings, progress=lambda message: err.print(f"[dim]{escape(message)}[/]"))
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise _fail(f"{type(exc).__name__}: {exc}") from None
-    render_table(results, _console())
-    err.print(f"results in {out}")

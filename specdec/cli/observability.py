@@ -1,5 +1,5 @@
 """CLI pieces of observability: options for `serve *`, `up`, `generate`, their set-up, and the
-`trace-report` / `trace-collect` commands (mounted on the `specdec` app by orchestrator.cli).
+`trace-report` / `trace-collect` commands (mounted on the `specdec` app by specdec.cli).
 
 Heavy imports (opentelemetry SDK, prometheus-client, grpc) happen inside the functions so that
 `specdec --help` stays fast.
@@ -246,5 +246,5 @@ trace_app = typer.Typer(help="Observability commands (trace-report, trace-collec
                         add_completion=False, pretty_exceptions_enable=False)
 register_commands(trace_app)
 
-if __name__ == "__main__":  # python -m orchestrator.observability_cli trace-report …
+if __name__ == "__main__":  # python -m specdec.cli.observability trace-report …
     trace_app()

@@ -1,12 +1,14 @@
-"""Public request/response types of the orchestrator (the gRPC GenerationService mirrors them)."""
+"""Public request/response types of generation (the gRPC GenerationService mirrors them).
+
+They sit in the core, below the transport, so that both transports, the orchestrator and the
+clients share one definition.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from specdec.sampling import SamplingParams
-
-GENERATION_METHODS = ("token", "block", "ersd", "gsd-tree", "rd", "autoregressive")
 
 
 @dataclass

@@ -18,14 +18,6 @@ import math
 import numpy as np
 import torch
 
-from orchestrator.api import (
-    GenerationChunk,
-    GenerationRequest,
-    GenerationResult,
-    GenerationStats,
-    IterationRecord,
-)
-from proto.specdec.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
@@ -38,6 +30,14 @@ from specdec.engine.api import (
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.generation import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    IterationRecord,
+)
+from specdec.rpc.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2
 from specdec.sampling import SamplingParams
 from specdec.verification.base import MethodParams
 

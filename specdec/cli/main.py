@@ -10,8 +10,8 @@ transformers, grpc) happen inside the commands so that `--help` answers at once.
     specdec generate --draft D --target T "def quicksort"   # in-process, no servers
     specdec serve drafter|verifier|orchestrator ...         # one service (what `up` runs)
 
-Mounted from their own modules: `analyze` and `bench` (orchestrator.analyze_cli),
-`trace-report` and `trace-collect` (orchestrator.observability_cli, which also provides the
+Mounted from their own modules: `analyze` (specdec.cli.analyze),
+`trace-report` and `trace-collect` (specdec.cli.observability, which also provides the
 --trace-file / --otlp-endpoint / --metrics-port options wired in here).
 
 Errors are one line on stderr ("error: CODE: message") and a non-zero exit code, never a
@@ -34,9 +34,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator import observability_cli, processes
-from orchestrator.analyze_cli import analyze_app, bench_app
-from orchestrator.observability_cli import MetricsHostOpt, MetricsPortOpt, OtlpEndpointOpt, TraceFileOpt
+from orchestrator import processes
 from orchestrator.processes import (
     DEFAULT_DRAFTER_PORT,
     DEFAULT_HOST,
@@ -45,13 +43,15 @@ from orchestrator.processes import (
     DEFAULT_VERIFIER_PORT,
     ProcessError,
 )
+from specdec.cli import observability as observability_cli
+from specdec.cli.analyze import analyze_app
+from specdec.cli.observability import MetricsHostOpt, MetricsPortOpt, OtlpEndpointOpt, TraceFileOpt
+from specdec.methods import METHOD_NAMES as METHODS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# The same values as orchestrator.api.GENERATION_METHODS, specdec.models.DEFAULT_*_MODEL and
-# proto.grpc_support.DEFAULT_MAX_MESSAGE_MB (importing those would load torch/grpc for --help;
-# a unit test checks that they agree).
-METHODS = ("token", "block", "ersd", "gsd-tree", "rd", "autoregressive")
+# The same values as specdec.models.DEFAULT_*_MODEL and specdec.rpc.grpc_support.DEFAULT_MAX_MESSAGE_MB
+# (importing those would load torch/grpc for --help; a unit test checks that they agree).
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_MAX_MESSAGE_MB = 64.0
@@ -72,7 +72,6 @@ serve_app = typer.Typer(help="Run one service in the foreground (`specdec up` st
 app.add_typer(models_app, name="models")
 app.add_typer(serve_app, name="serve")
 app.add_typer(analyze_app)  # specdec analyze
-app.add_typer(bench_app)  # specdec bench
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # one error = one line, even when piped
 out = Console(highlight=False, soft_wrap=True)
@@ -92,7 +91,7 @@ def describe_error(exc: BaseException) -> str:
     """'CODE: message' for engine and gRPC errors, the same on both transports."""
     import grpc
 
-    from proto.grpc_support import RemoteError, status_for
+    from specdec.rpc.grpc_support import RemoteError, status_for
 
     if isinstance(exc, RemoteError):
         return f"{exc.code.name}: {exc.details} ({exc.address})"
@@ -268,7 +267,7 @@ class ObservabilityOptions:
     metrics_host: str = "127.0.0.1"
 
     def setup(self, role: str):
-        """Tracing and metrics of this process (orchestrator.observability_cli); CliError when it fails."""
+        """Tracing and metrics of this process (specdec.cli.observability); CliError when it fails."""
         try:
             return observability_cli.setup_observability(
                 role, trace_file=self.trace_file, otlp_endpoint=self.otlp_endpoint,
@@ -316,7 +315,7 @@ def _serve_engine(role: str, model: str, host: str, port: int, device: str, dtyp
         raise fail(f"{role}: {exc}") from None
 
     async def main() -> None:
-        from proto.grpc_support import serve_until_signal
+        from specdec.rpc.grpc_support import serve_until_signal
 
         server, bound = await start_server(engine, host, port, max_message_mb=max_message_mb,
                                            interceptors=obs.server_interceptors,
@@ -451,11 +450,11 @@ def serve_orchestrator(
         raise fail(str(exc)) from None
 
     async def main() -> None:
-        from orchestrator.clients.base import PeerUnavailable
         from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
         from orchestrator.server import start_orchestrator_server
         from orchestrator.speculation import Orchestrator
-        from proto.grpc_support import serve_until_signal
+        from specdec.engine.api import PeerUnavailable
+        from specdec.rpc.grpc_support import serve_until_signal
 
         client_options = {"max_message_mb": max_message_mb, "interceptors": obs.client_interceptors}
         orchestrator = Orchestrator(GrpcDrafterClient(drafter, **client_options),
@@ -884,7 +883,7 @@ async def _generate(*, prompt, prompt_ids, address, draft, target, device, dtype
                     temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos, num_samples, as_json,
                     stream, timeout, observability: ObservabilityOptions) -> int:
     """Run the samples; returns the exit code (errors are printed here as one line)."""
-    from orchestrator.api import GenerationRequest
+    from specdec.generation import GenerationRequest
     from specdec.sampling import SamplingParams
 
     client = obs = None

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from proto.specdec.v1 import common_pb2 as proto_dot_specdec_dot_v1_dot_common__pb2
-from proto.specdec.v1 import verifier_pb2 as proto_dot_specdec_dot_v1_dot_verifier__pb2
+from . import common_pb2 as specdec_dot_v1_dot_common__pb2
+from . import verifier_pb2 as specdec_dot_v1_dot_verifier__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/specdec/v1/verifier_pb2_grpc.py depends on'
+        + ' but the generated code in specdec/v1/verifier_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,33 +38,33 @@ class VerifierServiceStub:
         """
         self.Info = channel.unary_unary(
                 '/specdec.v1.VerifierService/Info',
-                request_serializer=proto_dot_specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
+                request_serializer=specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
                 _registered_method=True)
         self.Score = channel.unary_unary(
                 '/specdec.v1.VerifierService/Score',
-                request_serializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.ScoreRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.ScoreResponse.FromString,
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.ScoreResponse.FromString,
                 _registered_method=True)
         self.Verify = channel.unary_unary(
                 '/specdec.v1.VerifierService/Verify',
-                request_serializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.VerifyOutcome.FromString,
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyOutcome.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/specdec.v1.VerifierService/Tokenize',
-                request_serializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_unary(
                 '/specdec.v1.VerifierService/Decode',
-                request_serializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.VerifierService/Release',
-                request_serializer=proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
+                request_serializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
 
 
@@ -120,33 +120,33 @@ def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_common__pb2.InfoRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
             ),
             'Score': grpc.unary_unary_rpc_method_handler(
                     servicer.Score,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.ScoreRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.ScoreResponse.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.ScoreRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.ScoreResponse.SerializeToString,
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.VerifyOutcome.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyOutcome.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.TokenizeRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.TokenizeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.SerializeToString,
             ),
             'Decode': grpc.unary_unary_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_verifier__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.DecodeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_common__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,8 +175,8 @@ class VerifierService:
             request,
             target,
             '/specdec.v1.VerifierService/Info',
-            proto_dot_specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
+            specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -202,8 +202,8 @@ class VerifierService:
             request,
             target,
             '/specdec.v1.VerifierService/Score',
-            proto_dot_specdec_dot_v1_dot_verifier__pb2.ScoreRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_verifier__pb2.ScoreResponse.FromString,
+            specdec_dot_v1_dot_verifier__pb2.ScoreRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -229,8 +229,8 @@ class VerifierService:
             request,
             target,
             '/specdec.v1.VerifierService/Verify',
-            proto_dot_specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_verifier__pb2.VerifyOutcome.FromString,
+            specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.VerifyOutcome.FromString,
             options,
             channel_credentials,
             insecure,
@@ -256,8 +256,8 @@ class VerifierService:
             request,
             target,
             '/specdec.v1.VerifierService/Tokenize',
-            proto_dot_specdec_dot_v1_dot_verifier__pb2.TokenizeRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
+            specdec_dot_v1_dot_verifier__pb2.TokenizeRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -283,8 +283,8 @@ class VerifierService:
             request,
             target,
             '/specdec.v1.VerifierService/Decode',
-            proto_dot_specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
+            specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -310,8 +310,8 @@ class VerifierService:
             request,
             target,
             '/specdec.v1.VerifierService/Release',
-            proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
+            specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from proto.specdec.v1 import common_pb2 as proto_dot_specdec_dot_v1_dot_common__pb2
-from proto.specdec.v1 import drafter_pb2 as proto_dot_specdec_dot_v1_dot_drafter__pb2
+from . import common_pb2 as specdec_dot_v1_dot_common__pb2
+from . import drafter_pb2 as specdec_dot_v1_dot_drafter__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/specdec/v1/drafter_pb2_grpc.py depends on'
+        + ' but the generated code in specdec/v1/drafter_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,23 +38,23 @@ class DrafterServiceStub:
         """
         self.Info = channel.unary_unary(
                 '/specdec.v1.DrafterService/Info',
-                request_serializer=proto_dot_specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
+                request_serializer=specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
                 _registered_method=True)
         self.Draft = channel.unary_unary(
                 '/specdec.v1.DrafterService/Draft',
-                request_serializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftResult.FromString,
+                request_serializer=specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftResult.FromString,
                 _registered_method=True)
         self.Lookahead = channel.unary_unary(
                 '/specdec.v1.DrafterService/Lookahead',
-                request_serializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadResult.FromString,
+                request_serializer=specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_drafter__pb2.LookaheadResult.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.DrafterService/Release',
-                request_serializer=proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
+                request_serializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
 
 
@@ -98,23 +98,23 @@ def add_DrafterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_common__pb2.InfoRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
             ),
             'Draft': grpc.unary_unary_rpc_method_handler(
                     servicer.Draft,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftResult.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_drafter__pb2.DraftResult.SerializeToString,
             ),
             'Lookahead': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookahead,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadResult.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_drafter__pb2.LookaheadResult.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseRequest.FromString,
-                    response_serializer=proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_common__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -143,8 +143,8 @@ class DrafterService:
             request,
             target,
             '/specdec.v1.DrafterService/Info',
-            proto_dot_specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
+            specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class DrafterService:
             request,
             target,
             '/specdec.v1.DrafterService/Draft',
-            proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_drafter__pb2.DraftResult.FromString,
+            specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+            specdec_dot_v1_dot_drafter__pb2.DraftResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -197,8 +197,8 @@ class DrafterService:
             request,
             target,
             '/specdec.v1.DrafterService/Lookahead',
-            proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_drafter__pb2.LookaheadResult.FromString,
+            specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.SerializeToString,
+            specdec_dot_v1_dot_drafter__pb2.LookaheadResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -224,8 +224,8 @@ class DrafterService:
             request,
             target,
             '/specdec.v1.DrafterService/Release',
-            proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
-            proto_dot_specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
+            specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

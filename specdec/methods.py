@@ -1,0 +1,205 @@
+"""The method registry: one frozen record per generation method, read by every layer.
+
+The CLI's choices, the orchestrator's validation, the scheduler, the pipeline, the verifier
+engine, the benchmark and `specdec.verification.dispatch.verify` all ask this table what a
+method needs, instead of comparing method names. Adding a method is one module under
+`specdec/verification/` plus one entry here. The rules themselves are in docs/algorithms.md.
+
+Glossary (the words the records use):
+  draft rows        Q: the drafter's warped next-token distributions, one row per tree node plus
+                    the root, shape [n + 1, V] (row layout: specdec.verification.base). They are
+                    what crosses the network from drafter to verifier when a method needs them.
+  target rows       P: the verifier's rows in the same layout; they never leave the verifier.
+  random source     the seeded stream (specdec.randomness) a rejection rule draws its uniforms
+                    and categorical samples from; ERSD needs none (it is driven by races).
+  draft strategy    how the drafter picks tokens: "sample" draws them from Q (children of a
+                    tree node without replacement); "race" takes the first arrivals of the
+                    position's exponential race under Q (docs/algorithms.md §4).
+  draft shape       "sequence": a path of k tokens; "tree": a tree within a node budget.
+  pipelinable       a sequence block can be pre-drafted while the verifier checks the one before
+                    (orchestrator.pipeline; exact by construction, docs/algorithms.md §8).
+  coins             randomised drafting: per-position Bernoulli(a) coins fix how many tokens an
+                    iteration drafts (K), so the draft length is not the orchestrator's to choose.
+  empty-draft rows  an iteration with no draft token still needs Q_1 (RD's no-draft step emits
+                    from norm((P_1 − a·Q_1)+)); for the others an empty tree samples P_1 alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Literal
+
+from specdec.verification.errors import VerificationError
+
+if TYPE_CHECKING:  # the rules need torch; the table itself stays importable without it
+    from specdec.verification.base import MethodParams, VerifyResult
+
+VerifyFn = Callable[..., "VerifyResult"]  # (tree, target Rows, draft Rows | None, params, source)
+DraftStrategy = Literal["sample", "race"]
+DraftShape = Literal["sequence", "tree"]
+
+# The method a target-only step runs: race sampling keyed on (seed, position), so a seeded
+# autoregressive run and a seeded ERSD run emit the same tokens (docs/algorithms.md §4).
+TARGET_ONLY_VERIFICATION = "ersd"
+
+
+@dataclass(frozen=True)
+class Method:
+    """What one generation method needs from each layer (see the glossary above)."""
+
+    name: str
+    summary: str
+    rule: str | None  # "module:function" of its verification rule; None: target-only decoding
+    needs_draft_rows: bool = False
+    needs_random_source: bool = False
+    draft_strategy: DraftStrategy | None = None
+    draft_shapes: frozenset[DraftShape] = frozenset()  # the first-listed shape is the default
+    default_shape: DraftShape | None = None
+    pipelinable: bool = False  # its sequence iterations can be pre-drafted during verification
+    coins: bool = False  # randomised drafting: takes `a`; coins fix each iteration's draft length
+    empty_draft_needs_rows: bool = False
+    k_is_tree_budget: bool = False  # the request's k is this method's node budget
+
+    @property
+    def speculative(self) -> bool:
+        """Whether the method drafts at all (False only for target-only decoding)."""
+        return self.rule is not None
+
+    @property
+    def verify(self) -> VerifyFn:
+        """The verification rule (imported on first use: it needs torch)."""
+        if self.rule is None:
+            raise VerificationError(f"method {self.name!r} verifies no drafts")
+        return _resolve(self.rule)
+
+    @property
+    def drafts_trees(self) -> bool:
+        return "tree" in self.draft_shapes
+
+    @property
+    def drafts_sequences(self) -> bool:
+        return "sequence" in self.draft_shapes
+
+    def needs_rows(self, params: MethodParams, num_drafted: int) -> bool:
+        """Whether a verification of `num_drafted` tokens with `params` reads draft rows.
+
+        False for ERSD, for RD with a = 0 (it never drafts), and for an empty tree of a method
+        whose empty step samples the target's row alone.
+        """
+        if not self.needs_draft_rows:
+            return False
+        if self.coins:
+            check_drafting_probability(params.a)
+            if params.a == 0.0:
+                return False
+        return num_drafted > 0 or self.empty_draft_needs_rows
+
+
+METHODS: dict[str, Method] = {
+    method.name: method
+    for method in (
+        Method(
+            name="token",
+            summary="Leviathan/Chen token verification: accept x̃ with min(1, P/Q), residual norm((P − Q)+)",
+            rule="specdec.verification.token:verify_token",
+            needs_draft_rows=True,
+            needs_random_source=True,
+            draft_strategy="sample",
+            draft_shapes=frozenset({"sequence"}),
+            default_shape="sequence",
+            pipelinable=True,
+        ),
+        Method(
+            name="block",
+            summary="Sun et al. block verification: judges the block jointly; never fewer tokens than token",
+            rule="specdec.verification.block:verify_block",
+            needs_draft_rows=True,
+            needs_random_source=True,
+            draft_strategy="sample",
+            draft_shapes=frozenset({"sequence"}),
+            default_shape="sequence",
+            pipelinable=True,
+        ),
+        Method(
+            name="ersd",
+            summary="exponential races keyed on (seed, position): output is target race sampling, "
+            "no draft rows on the wire; sequence or tree",
+            rule="specdec.verification.ersd:verify_ersd",
+            draft_strategy="race",
+            draft_shapes=frozenset({"sequence", "tree"}),
+            default_shape="sequence",
+            pipelinable=True,
+        ),
+        Method(
+            name="gsd-tree",
+            summary="multi-candidate tree (children drawn without replacement), recursive rejection",
+            rule="specdec.verification.gsd_tree:verify_gsd_tree",
+            needs_draft_rows=True,
+            needs_random_source=True,
+            draft_strategy="sample",
+            draft_shapes=frozenset({"tree"}),
+            default_shape="tree",
+            k_is_tree_budget=True,
+        ),
+        Method(
+            name="rd",
+            summary="randomised drafting: per-position coins with probability a; on tails drafter and "
+            "verifier run concurrently, the token comes from norm((P − aQ)+)",
+            rule="specdec.verification.rd:verify_rd",
+            needs_draft_rows=True,
+            needs_random_source=True,
+            draft_strategy="sample",
+            draft_shapes=frozenset({"sequence"}),
+            default_shape="sequence",
+            pipelinable=True,
+            coins=True,
+            empty_draft_needs_rows=True,
+        ),
+        Method(
+            name="autoregressive",
+            summary="target only (race sampling keyed on (seed, position)): the baseline",
+            rule=None,
+        ),
+    )
+}
+
+METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
+SPECULATIVE_METHOD_NAMES: tuple[str, ...] = tuple(name for name, m in METHODS.items() if m.speculative)
+
+
+def check_drafting_probability(a: float) -> None:
+    """RD's a must lie in [0, 1]."""
+    if not (isinstance(a, (int, float)) and math.isfinite(a) and 0.0 <= a <= 1.0):
+        raise VerificationError(f"RD drafting probability a must lie in [0, 1], got {a!r}")
+
+
+@cache
+def _resolve(rule: str) -> VerifyFn:
+    module, _, function = rule.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def get_method(name: str) -> Method:
+    """The record of `name`; a ValueError naming the choices for an unknown one."""
+    try:
+        return METHODS[name]
+    except (KeyError, TypeError):
+        raise VerificationError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}") from None
+
+
+def verification_method(name: str) -> Method:
+    """The record of a method that verifies drafts (every method but target-only decoding)."""
+    method = METHODS.get(name) if isinstance(name, str) else None
+    if method is None:
+        raise VerificationError(
+            f"unknown verification method {name!r}; choose one of {', '.join(SPECULATIVE_METHOD_NAMES)}"
+        )
+    if not method.speculative:
+        raise VerificationError(
+            f"method {name!r} verifies no drafts; choose one of {', '.join(SPECULATIVE_METHOD_NAMES)}"
+        )
+    return method
