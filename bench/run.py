@@ -42,14 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.intervals import covered
+from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specdec.methods import SPECULATIVE_METHOD_NAMES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT, DEFAULT_TARGET = DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 PIPELINE_METHODS = (*SPECULATIVE_METHOD_NAMES, "ersd-tree")  # ersd-tree: ersd drafting trees
 
 Progress = Callable[[str], None]

@@ -16,9 +16,9 @@ from typing import Any
 
 import grpc
 
+from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
-    DEFAULT_MAX_MESSAGE_MB,
     guarded,
     guarded_stream,
     serve_until_signal,

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from specdec.defaults import specdec_home
+
 log = logging.getLogger(__name__)
 
 CALIBRATION_VERSION = 1
@@ -108,9 +110,7 @@ def pair_key(draft_id: str, target_id: str) -> str:
 
 
 def calibration_dir(home: Path | str | None = None) -> Path:
-    if home is None:
-        home = os.environ.get("SPECDEC_HOME") or Path.home() / ".cache" / "specdec"
-    return Path(home).expanduser() / "calibration"
+    return specdec_home(home) / "calibration"
 
 
 def calibration_path(draft_id: str, target_id: str, home: Path | str | None = None) -> Path:

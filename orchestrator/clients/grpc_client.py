@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
@@ -33,7 +34,7 @@ from specdec.engine.api import (
 )
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult
 from specdec.rpc import convert
-from specdec.rpc.grpc_support import DEFAULT_MAX_MESSAGE_MB, error_from_status, message_options
+from specdec.rpc.grpc_support import error_from_status, message_options
 from specdec.rpc.v1 import (
     common_pb2,
     drafter_pb2_grpc,

@@ -18,10 +18,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT, DEFAULT_TARGET = DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 PROMPT_SETS = ("humaneval", "mtbench", "builtin")
 
 analyze_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -187,7 +188,7 @@ def analyze(
     result.meta["prompt_set"] = prompts
     data = result.to_dict()
     key = pair_key(result.meta["draft_id"], result.meta["target_id"])
-    from specdec.runtime.loading import specdec_home
+    from specdec.defaults import specdec_home
 
     out_dir = out or (Path(home) if home else specdec_home()) / "analysis" / key
     out_dir.mkdir(parents=True, exist_ok=True)

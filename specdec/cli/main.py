@@ -46,15 +46,12 @@ from orchestrator.processes import (
 from specdec.cli import observability as observability_cli
 from specdec.cli.analyze import analyze_app
 from specdec.cli.observability import MetricsHostOpt, MetricsPortOpt, OtlpEndpointOpt, TraceFileOpt
+from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
 from specdec.methods import METHOD_NAMES as METHODS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# The same values as specdec.models.DEFAULT_*_MODEL and specdec.rpc.grpc_support.DEFAULT_MAX_MESSAGE_MB
-# (importing those would load torch/grpc for --help; a unit test checks that they agree).
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-DEFAULT_MAX_MESSAGE_MB = 64.0
+DEFAULT_DRAFT, DEFAULT_TARGET = DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
 app = typer.Typer(
     name="specdec",

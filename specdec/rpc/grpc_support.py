@@ -31,12 +31,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.engine.api import EngineError, InvalidRequest, PeerUnavailable, SessionGone
 
 log = logging.getLogger(__name__)
 
 MB = 1024 * 1024
-DEFAULT_MAX_MESSAGE_MB = 64
 MAX_DETAIL_CHARS = 300
 T = TypeVar("T")
 

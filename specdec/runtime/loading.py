@@ -24,6 +24,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch  # noqa: E402
 
+from specdec.defaults import specdec_home  # noqa: E402
 from specdec.engine.api import ModelInfo  # noqa: E402
 from specdec.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint  # noqa: E402
 
@@ -65,11 +66,6 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
 
-def specdec_home() -> Path:
-    """Root of everything specdec keeps on disk (models, converted caches, wheels)."""
-    return Path(os.environ.get("SPECDEC_HOME") or Path.home() / ".cache" / "specdec").expanduser()
-
-
 # ----------------------------------------------------------------------------------------------
 # hashing (cached by size + mtime so a 3 GB file is hashed once)
 
@@ -95,7 +91,7 @@ def _read_hash_cache(home: Path) -> dict[str, dict[str, Any]]:
 
 def remember_sha256(path: str | Path, digest: str, home: Path | None = None) -> None:
     """Record a file's sha256 against its current size + mtime (used when the hash is known)."""
-    home = Path(home) if home is not None else specdec_home()
+    home = specdec_home(home)
     path = Path(path).resolve()
     stat = path.stat()
     with _hash_lock:
@@ -107,7 +103,7 @@ def remember_sha256(path: str | Path, digest: str, home: Path | None = None) -> 
 
 def cached_sha256(path: str | Path, home: Path | None = None) -> str:
     """sha256 of a file, re-hashing only when its size or mtime changed since last time."""
-    home = Path(home) if home is not None else specdec_home()
+    home = specdec_home(home)
     path = Path(path).resolve()
     stat = path.stat()
     entry = _read_hash_cache(home).get(str(path))
@@ -185,7 +181,7 @@ def _convert_into(gguf_path: Path, directory: Path, home: Path) -> None:
 
 
 def converted_dir_for(gguf_path: str | Path, home: Path | None = None) -> Path:
-    home = Path(home) if home is not None else specdec_home()
+    home = specdec_home(home)
     return home / "converted" / cached_sha256(gguf_path, home)[:32]
 
 
@@ -199,7 +195,7 @@ def convert_gguf(gguf_path: str | Path, home: Path | None = None, force: bool = 
     gguf_path = Path(gguf_path).expanduser()
     if not gguf_path.is_file():
         raise ModelPathError(f"GGUF file not found: {gguf_path}")
-    home = Path(home) if home is not None else specdec_home()
+    home = specdec_home(home)
     target = converted_dir_for(gguf_path, home)
     if _is_converted(target) and not force:
         return target

@@ -90,16 +90,6 @@ def test_generate_help_names_methods_and_default_address() -> None:
     assert "127.0.0.1:50050" in text
 
 
-def test_cli_constants_match_the_modules_they_mirror() -> None:
-    """The CLI repeats a few values to keep --help free of torch/grpc imports; they must agree."""
-    from specdec import models
-    from specdec.rpc.grpc_support import DEFAULT_MAX_MESSAGE_MB
-
-    assert cli.DEFAULT_DRAFT == models.DEFAULT_DRAFT_MODEL
-    assert cli.DEFAULT_TARGET == models.DEFAULT_TARGET_MODEL
-    assert cli.DEFAULT_MAX_MESSAGE_MB == DEFAULT_MAX_MESSAGE_MB
-
-
 def test_bad_usage_exits_2_without_traceback() -> None:
     runner = CliRunner()
     for args in (["generate", "--draft", "x"], ["generate", "--prompt-ids", "1,a"],

