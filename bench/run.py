@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.intervals import covered
+from specdec.analysis import json_safe
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 from specdec.methods import SPECULATIVE_METHOD_NAMES
 
@@ -668,7 +669,7 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> dict
                     )
             # A long run that is stopped early still leaves every finished round behind.
             partial = collect(repeat + 1)
-            (out_dir / "results.partial.json").write_text(json.dumps(_json_safe(partial), indent=1))
+            (out_dir / "results.partial.json").write_text(json.dumps(json_safe(partial), indent=1))
         for orch in orchestrators.values():
             loop.run_until_complete(orch.close())
     finally:
@@ -812,20 +813,8 @@ def write_outputs(results: dict[str, Any], analysis_dict: dict[str, Any], out_di
     files = plot_analysis(analysis_dict, out_dir, measured_rd)
     files.append(plot_bench(results, out_dir / "bench_tps.png"))
     results["files"] = [str(Path(f).name) for f in files] + ["results.json", "analysis.json", "summary.md"]
-    (out_dir / "results.json").write_text(json.dumps(_json_safe(results), indent=1))
+    (out_dir / "results.json").write_text(json.dumps(json_safe(results), indent=1))
     (out_dir / "summary.md").write_text(summary_markdown(results))
-
-
-def _json_safe(value: Any) -> Any:
-    import math
-
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 # ----------------------------------------------------------------------------------------------

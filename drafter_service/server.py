@@ -2,14 +2,13 @@
 
 The engine (specdec.engine.drafter.DrafterEngine or anything with the same methods) is
 synchronous; calls run in a worker pool so the event loop keeps serving health checks and
-other sessions. Errors map to status codes as documented in proto/grpc_support.py.
+other sessions. Errors map to status codes as documented in specdec/rpc/grpc_support.py.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Executor
 from typing import Any
 
 import grpc
@@ -17,30 +16,20 @@ import grpc
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
+    EngineServicer,
     guarded,
-    run_blocking,
     run_observed,
     serve_until_signal,
     start_engine_server,
 )
-from specdec.rpc.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specdec.rpc.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
 
-class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, engine: Any, executor: Executor | None = None, observers: Sequence[Any] = ()) -> None:
-        self.engine = engine
-        self.executor = executor
-        # Told about every engine call (orchestrator.tracing.ServiceObserver: spans, metrics).
-        self.observers = tuple(observers)
-
-    @guarded
-    async def Info(self, request: common_pb2.InfoRequest, context) -> common_pb2.ModelInfo:
-        return convert.model_info_to_proto(await run_blocking(self.executor, self.engine.info))
-
+class DrafterServicer(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     @guarded
     async def Draft(self, request: drafter_pb2.DraftRequest, context) -> drafter_pb2.DraftResult:
         req = convert.draft_request_from_proto(request)
@@ -53,11 +42,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         engine_call = self.engine.lookahead
         result = await run_observed(self.executor, self.observers, "Lookahead", req, engine_call, req)
         return convert.lookahead_result_to_proto(result)
-
-    @guarded
-    async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
-        await run_blocking(self.executor, self.engine.release, request.session_id)
-        return common_pb2.ReleaseResponse()
 
 
 async def start_drafter_server(

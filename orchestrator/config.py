@@ -23,7 +23,7 @@ class OrchestratorConfig(BaseSettings):
     # None keeps ERSD on a sequence of k tokens.
     ersd_tree_budget: int | None = Field(None, ge=1)
     default_a: float = Field(0.5, ge=0.0, le=1.0)
-    # 0th-order acceptance model R(j) of the j-th ranked child (ALGORITHMS.md §6) for tree shapes.
+    # 0th-order acceptance model R(j) of the j-th ranked child (docs/algorithms.md §6) for tree shapes.
     rank_acceptance: list[float] = Field(default_factory=lambda: [0.6, 0.2, 0.1, 0.05])
     # Shape trees from the measured rank acceptance of the model pair once this many decisions
     # per rank were recorded (0 = never; seeded requests then replay exactly across deployments).
@@ -32,7 +32,7 @@ class OrchestratorConfig(BaseSettings):
     # (fields set explicitly, by argument or SPECDEC_* variable, always win).
     use_calibration: bool = True
 
-    # Pipelined speculation (orchestrator.speculation, "Pipelining"): while the verifier checks a
+    # Pipelined speculation (orchestrator.pipeline, "Pipelining"): while the verifier checks a
     # block, the drafter already drafts the next one from the prefix that full acceptance would
     # give. Sequence methods only (token, block, ersd without a tree; rd when K = k_max). A
     # request may override it (GenerationRequest.pipeline). On by default: drafter and verifier
@@ -40,9 +40,10 @@ class OrchestratorConfig(BaseSettings):
     # drafter call when it is dropped; on the default pair it measured faster than sequential
     # speculation for every method (bench/RESULTS.md).
     pipeline: bool = True
-    # Pipelined token/block/ersd: a pre-drafted block keeps growing until the verifier answers,
-    # up to this many tokens (0 = pre-drafts have the draft length k). A fresh draft (after a
-    # rejection) still has length k. Request override: GenerationRequest.pipeline_max_k.
+    # Pipelined token/ersd: a pre-drafted block keeps growing until the verifier answers, up to
+    # this many tokens (0 = pre-drafts have the draft length k). A fresh draft (after a rejection)
+    # still has length k. Block and rd ignore it (growth would not be exact for them: methods'
+    # `adaptive_length`, orchestrator.pipeline). Request override: GenerationRequest.pipeline_max_k.
     pipeline_max_k: int = Field(0, ge=0)
     # Pipelined look-ahead guesses (one drafter call drafts after each; the verifier's answer
     # picks at most one): the likeliest bonus tokens after the block, and the likeliest

@@ -43,11 +43,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from specdec.generation import GenerationResult, IterationRecord
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0)
@@ -134,7 +137,7 @@ class OrchestratorMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def record_iteration(self, record: Any, depth: int) -> None:
+    def record_iteration(self, record: IterationRecord, depth: int) -> None:
         method, child = record.method, self.child
         draft_s = [e - s for s, e in record.draft_intervals]
         verify_s = [e - s for s, e in record.verify_intervals]
@@ -172,7 +175,7 @@ class _RequestMetrics:
     def iteration(self, index: int, start: float) -> Iterator[_IterationMetrics]:
         yield _IterationMetrics(self.owner)
 
-    def finished(self, result: Any | None, error: BaseException | None) -> None:
+    def finished(self, result: GenerationResult | None, error: BaseException | None) -> None:
         owner = self.owner
         owner.active_requests.labels(self.method).dec()
         if error is not None:
@@ -193,7 +196,7 @@ class _IterationMetrics:
     def call_finished(self, token: None, end: float, error: BaseException | None) -> None:
         return None
 
-    def finished(self, record: Any, depth: int) -> None:
+    def finished(self, record: IterationRecord, depth: int) -> None:
         self.owner.record_iteration(record, depth)
 
 

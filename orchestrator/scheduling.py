@@ -1,18 +1,64 @@
 """Per-iteration scheduling decisions as pure functions: k, a, RD coins, draft shapes, calibration.
 
 None of these choices can change the output distribution (every method is exact for every k,
-a and tree shape); they only decide how much work an iteration does.
+a and tree shape; docs/algorithms.md §8, "Scheduling"); they only decide how much work an
+iteration does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from orchestrator.config import OrchestratorConfig
 from specdec.methods import get_method
 from specdec.randomness import TorchRandomSource
 from specdec.trees import optimal_tree_shape
+from specdec.verification.base import MethodParams
 from specdec.verification.rd import leading_heads
+
+if TYPE_CHECKING:
+    from orchestrator.run import Run
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one speculative iteration drafts, and the parameters its verification gets."""
+
+    shape: list[int]  # parent indices of the draft tree ([]: RD with no leading head)
+    k: int  # the size asked for (IterationRecord.k): draft length, RD k_max or tree budget
+    params: MethodParams
+    heads: int | None = None  # RD: K, the leading heads of the coins (None: not a coin method)
+    pipelined: bool = False  # the next block is pre-drafted while this one is verified (pipeline.py)
+
+
+def plan_iteration(run: Run, position: int, depth_cap: int) -> Plan | None:
+    """The draft of the iteration starting at `position`, or None for a target-only step (the
+    method drafts nothing, or no draft fits the context windows)."""
+    spec = run.spec
+    if not spec.speculative or depth_cap <= 0:
+        return None
+    params = MethodParams(seed=run.seed, position=position)
+    if spec.coins:  # RD: the coins fix K; a full block (K = k_max) can be pipelined
+        assert run.a is not None
+        k_max = min(run.k, depth_cap)
+        heads = rd_leading_heads(run.a, k_max, run.seed, position)
+        rd_params = MethodParams(a=run.a, k_max=k_max, seed=run.seed, position=position)
+        return Plan(sequence_shape(heads), run.k, rd_params, heads=heads,
+                    pipelined=run.pipeline and spec.pipelinable and heads == k_max)
+    if run.tree_budget is not None:  # gsd-tree, or ersd with a tree budget
+        shape = cap_depth(optimal_tree_shape(run.rank_acceptance, run.tree_budget), depth_cap)
+        return Plan(shape, run.tree_budget, params)
+    return Plan(sequence_shape(min(run.k, depth_cap)), run.k, params,
+                pipelined=run.pipeline and spec.pipelinable)
+
+
+def depth_cap(committed_len: int, max_contexts: Iterable[int]) -> int:
+    """Deepest draft that fits every context window (0: no limit) with the extra token committed
+    after it."""
+    caps = [1 << 30] + [limit - committed_len - 1 for limit in max_contexts if limit]
+    return max(0, min(caps))
 
 
 def sequence_shape(k: int) -> list[int]:
@@ -54,11 +100,6 @@ def rd_leading_heads(a: float, k_max: int, seed: int, position: int) -> int:
     return leading_heads(a, k_max, TorchRandomSource.from_seed(seed, "coins", position))
 
 
-def tree_shape(rank_acceptance: Sequence[float], budget: int) -> list[int]:
-    """Best tree with `budget` nodes under the 0th-order acceptance model (ALGORITHMS.md §6)."""
-    return optimal_tree_shape(rank_acceptance, budget)
-
-
 def cap_depth(shape: Sequence[int], max_depth: int) -> list[int]:
     """Drop the nodes deeper than `max_depth` (and their subtrees), renumbering the rest.
 
@@ -79,13 +120,6 @@ def cap_depth(shape: Sequence[int], max_depth: int) -> list[int]:
         new_index[node] = len(out)
         out.append(new_index[parent])
     return out
-
-
-def shape_depth(shape: Sequence[int]) -> int:
-    depths: list[int] = []
-    for parent in shape:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return max(depths, default=0)
 
 
 def rank_acceptance_from_calibration(

@@ -4,7 +4,7 @@
     async def generate(request: GenerationRequest) -> GenerationResult
     def generate_stream(request: GenerationRequest) -> AsyncIterator[GenerationChunk]
 (orchestrator.speculation provides it). Errors map to status codes as documented in
-proto/grpc_support.py; a lost verifier (PeerUnavailable) becomes UNAVAILABLE.
+specdec/rpc/grpc_support.py; a lost verifier (PeerUnavailable) becomes UNAVAILABLE.
 """
 
 from __future__ import annotations

@@ -30,11 +30,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+if TYPE_CHECKING:
+    from specdec.generation import GenerationResult, IterationRecord
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ class IterationProbe(Protocol):
     def call_finished(self, token: Any, end: float, error: BaseException | None) -> None:
         """The call of `token` ended (in the same task, right after it)."""
 
-    def finished(self, record: Any, depth: int) -> None:
+    def finished(self, record: IterationRecord, depth: int) -> None:
         """The iteration's IterationRecord, and the depth of the draft tree it verified."""
 
 
@@ -76,7 +79,7 @@ class RequestProbe(Protocol):
     def iteration(self, index: int, start: float) -> AbstractContextManager[IterationProbe]:
         """Entered around one iteration (started at perf_counter `start`); its calls run inside."""
 
-    def finished(self, result: Any | None, error: BaseException | None) -> None:
+    def finished(self, result: GenerationResult | None, error: BaseException | None) -> None:
         """The run ended: its GenerationResult, or the error (both None: the consumer left)."""
 
 
@@ -128,7 +131,7 @@ class _CombinedRequest:
         with ExitStack() as stack:
             yield _CombinedIteration([stack.enter_context(p.iteration(index, start)) for p in self.probes])
 
-    def finished(self, result: Any | None, error: BaseException | None) -> None:
+    def finished(self, result: GenerationResult | None, error: BaseException | None) -> None:
         for probe in self.probes:
             _safely(probe.finished, result, error)
 
@@ -144,7 +147,7 @@ class _CombinedIteration:
         for probe, item in zip(reversed(self.probes), reversed(token), strict=True):  # LIFO, like contexts
             _safely(probe.call_finished, item, end, error)
 
-    def finished(self, record: Any, depth: int) -> None:
+    def finished(self, record: IterationRecord, depth: int) -> None:
         for probe in self.probes:
             _safely(probe.finished, record, depth)
 
@@ -474,7 +477,7 @@ class _RequestSpan:
         finally:
             span.end(end_time=probe.end_ns)
 
-    def finished(self, result: Any | None, error: BaseException | None) -> None:
+    def finished(self, result: GenerationResult | None, error: BaseException | None) -> None:
         span = self.span
         if result is not None:
             stats = result.stats
@@ -524,7 +527,7 @@ class _IterationSpan:
             _error_status(span, error)
         span.end(end_time=_ns(self.epoch(end)))
 
-    def finished(self, record: Any, depth: int) -> None:
+    def finished(self, record: IterationRecord, depth: int) -> None:
         draft_s = sum(e - s for s, e in record.draft_intervals)
         verify_s = sum(e - s for s, e in record.verify_intervals)
         _set(self.span, {

@@ -1,4 +1,4 @@
-"""Measuring a draft/target pair and turning the measurements into a plan (ALGORITHMS.md §5–§7).
+"""Measuring a draft/target pair and turning the measurements into a plan (docs/algorithms.md §5–§7).
 
 What is measured, and how:
 - (p, q) rows: the TARGET samples a continuation of each prompt at the requested sampling
@@ -6,7 +6,7 @@ What is measured, and how:
   each model over prompt + continuation gives the warped next-token rows at every continuation
   position. No speculative loop is needed: every acceptance statistic is a function of rows.
 - Rank acceptance R(j) for trees: Monte Carlo on the measured rows — recursive rejection
-  (ALGORITHMS §3, children drawn from Q without replacement) and exponential races (§4, the
+  (docs/algorithms.md §3, children drawn from Q without replacement) and exponential races (§4, the
   children are Q's first arrivals). Each row is restricted to the tokens carrying all but
   `tail_mass` of p's and q's mass plus one lumped "other" symbol, which keeps a 150k-token
   vocabulary cheap; R(1) is checked against its exact value (1 − TV, resp. the ERSD match
@@ -35,7 +35,7 @@ import torch
 from specdec import theory
 from specdec.randomness import TorchRandomSource, make_generator
 from specdec.sampling import SamplingParams, warp_logits
-from specdec.trees import DraftTree, optimal_tree_shape
+from specdec.trees import DraftTree, max_depth, node_depths, optimal_tree_shape
 from specdec.verification.base import MethodParams
 from specdec.verification.dispatch import verify
 
@@ -164,12 +164,12 @@ class Timing:
 
     @property
     def c(self) -> float:
-        """Cost ratio c = T_target / T_draft of one decoding step (ALGORITHMS §7)."""
+        """Cost ratio c = T_target / T_draft of one decoding step (docs/algorithms.md §7)."""
         return self.t_p / self.t_q
 
     @property
     def lam(self) -> float:
-        """λ = T_q / T_p (Toner et al.; ALGORITHMS §5)."""
+        """λ = T_q / T_p (Toner et al.; docs/algorithms.md §5)."""
         return self.t_q / self.t_p
 
     def target_time(self, n: int) -> float:
@@ -301,7 +301,7 @@ def _row_pairs(p_rows: torch.Tensor, q_rows: torch.Tensor, tail_mass: float, max
 def _gsd_ranks_one(
     p: np.ndarray, q: np.ndarray, ranks: int, samples: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """Recursive rejection (ALGORITHMS §3) for `samples` independent nodes at once: hits per rank."""
+    """Recursive rejection (docs/algorithms.md §3) for `samples` independent nodes at once: hits per rank."""
     s = samples
     p_star = np.tile(p, (s, 1))
     q_star = np.tile(q, (s, 1))
@@ -335,7 +335,7 @@ def _gsd_ranks_one(
 def _ersd_ranks_one(
     p: np.ndarray, q: np.ndarray, ranks: int, samples: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """Exponential races (ALGORITHMS §4): hits where P's winner is Q's j-th arrival."""
+    """Exponential races (docs/algorithms.md §4): hits where P's winner is Q's j-th arrival."""
     e = rng.exponential(size=(samples, p.shape[0]))
     with np.errstate(divide="ignore"):
         q_times = np.where(q > 0, e / np.where(q > 0, q, 1.0), np.inf)
@@ -426,18 +426,10 @@ def simulate_sequence_tokens(
 # ----------------------------------------------------------------------------------------------
 # the analysis
 # ----------------------------------------------------------------------------------------------
-def tree_depth(parents: Sequence[int]) -> int:
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(1 if parent < 0 else depth[parent] + 1)
-    return max(depth, default=0)
-
-
 def tree_level_widths(parents: Sequence[int]) -> list[int]:
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(1 if parent < 0 else depth[parent] + 1)
-    return [depth.count(d) for d in range(1, max(depth, default=0) + 1)]
+    """How many nodes sit at each depth 1, 2, … (a tree's drafter passes draft one level each)."""
+    depths = node_depths(parents)
+    return [depths.count(d) for d in range(1, max(depths, default=0) + 1)]
 
 
 @dataclass
@@ -465,7 +457,7 @@ class Analysis:
     ) -> dict[str, float]:
         """Expected tokens per iteration and speedup over target-only decoding for one configuration.
 
-        `speedup_formula` is ALGORITHMS §7 (a verifier pass costs T_p whatever its size, a drafter
+        `speedup_formula` is docs/algorithms.md §7 (a verifier pass costs T_p whatever its size, a drafter
         step T_p/c); `speedup_timed` uses the measured T_p(n) and T_q(n) instead.
         """
         t = self.timing
@@ -493,7 +485,7 @@ class Analysis:
             draft_time = sum(t.draft_time(w) for w in tree_level_widths(parents))
             return {
                 "expected_tokens": tokens,
-                "speedup_formula": tokens / (1.0 + tree_depth(parents) / t.c),
+                "speedup_formula": tokens / (1.0 + max_depth(parents) / t.c),
                 "speedup_timed": tokens * t.t_p / (draft_time + t.target_time(budget + 1)),
             }
         if method == "rd":
@@ -511,7 +503,7 @@ class Analysis:
         raise ValueError(f"no prediction for method {method!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return _json_safe(
+        return json_safe(
             {
                 "meta": self.meta,
                 "acceptance": self.acceptance,
@@ -542,12 +534,12 @@ class Analysis:
         )
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """inf/nan → None, numpy scalars → Python numbers, tuples → lists (strict JSON)."""
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     if isinstance(value, (np.floating, float)):
         value = float(value)
         return value if math.isfinite(value) else None
@@ -744,7 +736,7 @@ def _best_tree(analysis: Analysis, kind: str, max_budget: int) -> dict[str, Any]
     assert best is not None
     parents = optimal_tree_shape(monotone(analysis.rank_acceptance[kind]), best["budget"])
     best["parents"] = parents
-    best["depth"] = tree_depth(parents)
+    best["depth"] = max_depth(parents)
     return best
 
 

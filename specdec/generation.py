@@ -30,9 +30,10 @@ class GenerationRequest:
     # Pre-draft the next block while the verifier checks this one (token, block, ersd; rd when
     # K = k_max); None → the orchestrator's `pipeline` setting.
     pipeline: bool | None = None
-    # Pipelined mode, token/block/ersd: 0 → every pre-drafted block has the draft length k;
+    # Pipelined mode, token and ersd: 0 → every pre-drafted block has the draft length k;
     # n > 0 → a pre-draft keeps growing until the verifier answers, up to n tokens (adaptive
-    # draft length, PEARL-style). None → the orchestrator's `pipeline_max_k` setting.
+    # draft length, PEARL-style; block and rd keep length k, docs/algorithms.md §8).
+    # None → the orchestrator's `pipeline_max_k` setting.
     pipeline_max_k: int | None = None
     # Pipelined mode: pre-draft the next block after this many guesses of the bonus token (all
     # drafts accepted) and after this many guesses of the token that replaces a rejected last

@@ -18,6 +18,14 @@ Glossary (the words the records use):
   draft shape       "sequence": a path of k tokens; "tree": a tree within a node budget.
   pipelinable       a sequence block can be pre-drafted while the verifier checks the one before
                     (orchestrator.pipeline; exact by construction, docs/algorithms.md §8).
+  adaptive length   a pipelined pre-draft may keep growing, one token per drafter call, until the
+                    verifier answers (`pipeline_max_k`). Exact only when the rule's decision at
+                    position i reads the drafts up to i alone (token; ERSD's races): a grown
+                    pre-draft draws x̃_{j+1} from the drafter stream keyed on its context length,
+                    and block verification's τ also reads later drafts, so after τ = a the next
+                    fresh draft would reuse the stream that drew x̃_{a+2}, whose uniform is no
+                    longer uniform given τ = a (docs/algorithms.md §8). Block and RD pipeline
+                    fixed-length blocks.
   coins             randomised drafting: per-position Bernoulli(a) coins fix how many tokens an
                     iteration drafts (K), so the draft length is not the orchestrator's to choose.
   empty-draft rows  an iteration with no draft token still needs Q_1 (RD's no-draft step emits
@@ -60,6 +68,7 @@ class Method:
     draft_shapes: frozenset[DraftShape] = frozenset()  # the first-listed shape is the default
     default_shape: DraftShape | None = None
     pipelinable: bool = False  # its sequence iterations can be pre-drafted during verification
+    adaptive_length: bool = False  # its pre-drafts may grow until the verifier answers (glossary)
     coins: bool = False  # randomised drafting: takes `a`; coins fix each iteration's draft length
     empty_draft_needs_rows: bool = False
     k_is_tree_budget: bool = False  # the request's k is this method's node budget
@@ -112,6 +121,7 @@ METHODS: dict[str, Method] = {
             draft_shapes=frozenset({"sequence"}),
             default_shape="sequence",
             pipelinable=True,
+            adaptive_length=True,
         ),
         Method(
             name="block",
@@ -133,6 +143,7 @@ METHODS: dict[str, Method] = {
             draft_shapes=frozenset({"sequence", "tree"}),
             default_shape="sequence",
             pipelinable=True,
+            adaptive_length=True,
         ),
         Method(
             name="gsd-tree",

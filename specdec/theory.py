@@ -1,4 +1,4 @@
-"""Closed-form limits and planning formulas for speculative decoding (ALGORITHMS.md §4, §5, §7).
+"""Closed-form limits and planning formulas for speculative decoding (docs/algorithms.md §4, §5, §7).
 
 Everything here is a pure function of distributions or of measured rates: the orchestrator uses
 it to choose k and a from profiled data, the benchmarks to draw the "speed of light" next to
@@ -103,7 +103,7 @@ def _per_row_p(p: ArrayLike, fn: Callable[[np.ndarray], np.ndarray]):
 # divergences and entropies
 # ----------------------------------------------------------------------------------------------
 def total_variation(p: ArrayLike, q: ArrayLike) -> float | np.ndarray:
-    """TV(p, q) = ½·Σ|p − q| per row (ALGORITHMS.md notation)."""
+    """TV(p, q) = ½·Σ|p − q| per row (docs/algorithms.md notation)."""
     return _per_row_pq(p, q, lambda a, b: 0.5 * np.abs(a - b).sum(axis=-1))
 
 
@@ -224,7 +224,7 @@ def drafter_cross_entropy(p_rows: ArrayLike, q_rows: ArrayLike) -> tuple[float, 
 
 
 # ----------------------------------------------------------------------------------------------
-# sequence drafting (speculative-decoding-math.txt; ALGORITHMS.md §7)
+# sequence drafting (speculative-decoding-math.txt; docs/algorithms.md §7)
 # ----------------------------------------------------------------------------------------------
 def _check_alpha(alpha: float) -> float:
     alpha = float(alpha)
@@ -236,7 +236,7 @@ def _check_alpha(alpha: float) -> float:
 def expected_tokens_per_iteration(alpha: float, k: int) -> float:
     """E[tokens/iteration] = (1 − α^{k+1})/(1 − α) = Σ_{i=0..k} α^i; k + 1 at α = 1.
 
-    Sequence drafting with i.i.d. per-token acceptance α (Leviathan et al.; ALGORITHMS §7).
+    Sequence drafting with i.i.d. per-token acceptance α (Leviathan et al.; docs/algorithms.md §7).
     Computed as expm1((k+1)·ln α)/expm1(ln α) so it stays accurate as α → 1.
     """
     alpha = _check_alpha(alpha)
@@ -275,7 +275,7 @@ def best_k(alpha: float, c: float, k_max: int = 20, k_min: int = 1) -> tuple[int
 
 
 # ----------------------------------------------------------------------------------------------
-# randomised drafting (Toner et al., ICML 2025; ALGORITHMS.md §5)
+# randomised drafting (Toner et al., ICML 2025; docs/algorithms.md §5)
 # ----------------------------------------------------------------------------------------------
 def _check_a(a: float) -> float:
     a = float(a)
@@ -446,7 +446,7 @@ def best_a(p_rows: ArrayLike, q_rows: ArrayLike, lam: float) -> tuple[float, flo
 def rd_expected_tokens(alpha_a: float, j: int) -> float:
     """Tokens emitted by an RD iteration that drafted K = j tokens: (1 − α^{j+1})/(1 − α).
 
-    ALGORITHMS §5 extension of Toner et al.: j drafted tokens, each accepted w.p. α(a), plus one
+    docs/algorithms.md §5 extension of Toner et al.: j drafted tokens, each accepted w.p. α(a), plus one
     token at the end (a residual of the RD rule if j < k_max, a sample of P_{j+1} if j = k_max —
     either way exactly one).
     """
@@ -480,7 +480,7 @@ def _rd_tps(a: np.ndarray, alpha: np.ndarray, k_max: int, t_q: float, t_p: float
 
 def rd_tokens_per_second(a: float, k_max: int, alpha_of_a: Callable[[float], float] | float,
                          t_q: float, t_p: float, t_verify: Callable[[int], float] | float) -> float:
-    """Long-run tokens/s of RD with draft probability a and cap k_max (ALGORITHMS §5; renewal-reward).
+    """Long-run tokens/s of RD with draft probability a and cap k_max (docs/algorithms.md §5; renewal-reward).
 
     K ~ truncated geometric: P(K = j) = a^j·(1 − a) for j < k_max, a^{k_max} for j = k_max.
     K = 0 emits 1 token in max(T_p, T_q) (drafter and target run concurrently); K = j ≥ 1 emits
@@ -543,7 +543,7 @@ def _best_schedule(a_arr: np.ndarray, alpha: np.ndarray, t_q: float, t_p: float,
 def best_rd_schedule(p_rows: ArrayLike, q_rows: ArrayLike, t_q: float, t_p: float,
                      t_verify: Callable[[int], float] | float, *, k_values: Iterable[int] = range(1, 17),
                      grid: int = 1001) -> RDSchedule:
-    """Best (a, k_max) for a profiled workload (rows of P and Q), ALGORITHMS §5.
+    """Best (a, k_max) for a profiled workload (rows of P and Q), docs/algorithms.md §5.
 
     Candidates: `grid` evenly spaced a in [0, 1] plus the exact k = 1 optimum of Toner et al.
     (`best_a` with λ = t_q/t_p); α(a) is evaluated exactly at every candidate in one pass.
@@ -592,7 +592,7 @@ def tunstall_bound(vocab: int, k: int, h_r: float, *, exact_leaves: bool = False
 
 
 def optimal_tree_expected_tokens(rank_acceptance: Sequence[float], budget: int) -> float:
-    """1 + expected accepted nodes of the best `budget`-node tree (ALGORITHMS §6; ERSD Alg. 3)."""
+    """1 + expected accepted nodes of the best `budget`-node tree (docs/algorithms.md §6; ERSD Alg. 3)."""
     parents = optimal_tree_shape(rank_acceptance, budget)
     return 1.0 + expected_accepted(parents, rank_acceptance)
 

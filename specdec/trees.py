@@ -39,12 +39,11 @@ class DraftTree:
         if len(tokens) != len(parents):
             raise DraftTreeError(f"{len(tokens)} tokens but {len(parents)} parents")
         children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # slot 0 = root
-        depths: list[int] = []
         for i, parent in enumerate(parents):
             if not -1 <= parent < i:
                 raise DraftTreeError(f"node {i} has parent {parent}; parents must precede their children")
             children[parent + 1].append(i)
-            depths.append(1 if parent < 0 else depths[parent] + 1)
+        depths = node_depths(parents)
         for i, kids in enumerate(children):
             seen = [tokens[c] for c in kids]
             if len(set(seen)) != len(seen):
@@ -117,6 +116,19 @@ class DraftTree:
     def position_ids(self, prefix_len: int) -> torch.Tensor:
         """Long [n]: prefix_len + depth - 1 for every node."""
         return torch.tensor([prefix_len + d - 1 for d in self._depths], dtype=torch.long)
+
+
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node of a parent list (a child of the root has depth 1; parents come first)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def max_depth(parents: Sequence[int]) -> int:
+    """Depth of the deepest node (0 for an empty tree): how many tokens the longest path drafts."""
+    return max(node_depths(parents), default=0)
 
 
 def optimal_tree_shape(rank_acceptance: Sequence[float], budget: int) -> list[int]:

@@ -2,14 +2,13 @@
 
 The engine (specdec.engine.verifier.VerifierEngine or anything with the same methods) is
 synchronous; calls run in a worker pool so the event loop keeps serving health checks and
-other sessions. Errors map to status codes as documented in proto/grpc_support.py.
+other sessions. Errors map to status codes as documented in specdec/rpc/grpc_support.py.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Executor
 from typing import Any
 
 import grpc
@@ -17,30 +16,20 @@ import grpc
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
+    EngineServicer,
     guarded,
     run_blocking,
     run_observed,
-    serve_until_signal,
     start_engine_server,
 )
-from specdec.rpc.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specdec.rpc.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
 
-class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, engine: Any, executor: Executor | None = None, observers: Sequence[Any] = ()) -> None:
-        self.engine = engine
-        self.executor = executor
-        # Told about every engine call (orchestrator.tracing.ServiceObserver: spans, metrics).
-        self.observers = tuple(observers)
-
-    @guarded
-    async def Info(self, request: common_pb2.InfoRequest, context) -> common_pb2.ModelInfo:
-        return convert.model_info_to_proto(await run_blocking(self.executor, self.engine.info))
-
+class VerifierServicer(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer):
     @guarded
     async def Score(self, request: verifier_pb2.ScoreRequest, context) -> verifier_pb2.ScoreResponse:
         req = convert.score_request_from_proto(request)
@@ -62,11 +51,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     async def Decode(self, request: verifier_pb2.DecodeRequest, context) -> verifier_pb2.DecodeResponse:
         text = await run_blocking(self.executor, self.engine.decode, list(request.token_ids))
         return verifier_pb2.DecodeResponse(text=text)
-
-    @guarded
-    async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
-        await run_blocking(self.executor, self.engine.release, request.session_id)
-        return common_pb2.ReleaseResponse()
 
 
 async def start_verifier_server(
@@ -99,9 +83,3 @@ async def start_verifier_server(
         thread_name_prefix="verifier-engine",
     )
 
-
-async def serve_verifier(engine: Any, host: str = "127.0.0.1", port: int = 50052, *, grace_s: float = 5.0,
-                         **kwargs: Any) -> None:
-    """Serve until SIGINT/SIGTERM, then stop gracefully (health → NOT_SERVING, drain calls)."""
-    server, _ = await start_verifier_server(engine, host, port, **kwargs)
-    await serve_until_signal(server, grace_s)

@@ -8,7 +8,6 @@ Heavy imports (torch, transformers, matplotlib) happen inside the commands so `-
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,16 +17,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from specdec.cli.common import apply_environment_defaults, err, fail
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEFAULT_DRAFT, DEFAULT_TARGET = DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 PROMPT_SETS = ("humaneval", "mtbench", "builtin")
 
 analyze_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-
-err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _console() -> Console:
@@ -37,25 +33,20 @@ def _console() -> Console:
     return console
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {escape(message)}")
-    return typer.Exit(code)
-
-
 def _resolve(name_or_path: str, role: str, home: Path | None) -> Path:
     from specdec import models
 
     try:
         path = Path(models.resolve_model(name_or_path, home))
     except models.ModelNotInstalled:
-        raise _fail(
+        raise fail(
             f"{role} model {name_or_path!r} is not installed; install it with: "
             f"specdec models install {name_or_path}"
         ) from None
     except (OSError, ValueError) as exc:
-        raise _fail(f"{role} model {name_or_path!r}: {exc}") from None
+        raise fail(f"{role} model {name_or_path!r}: {exc}") from None
     if not path.exists():
-        raise _fail(f"{role} model {name_or_path!r}: no such file or directory, and not a registry name")
+        raise fail(f"{role} model {name_or_path!r}: no such file or directory, and not a registry name")
     return path
 
 
@@ -132,6 +123,7 @@ def analyze(
 ) -> None:
     """Measure a draft/target pair (acceptance, divergences, entropies, rank acceptance, forward times)
     and report the best k, tree shape and RD draft probability a, expected speedups and the bounds."""
+    apply_environment_defaults()  # also when analyze_app runs on its own, without the root callback
     from specdec.calibration import Calibration, pair_key
     from specdec.calibration import save_calibration as save
     from specdec.plots import plot_analysis
@@ -184,7 +176,7 @@ def analyze(
             rank_samples=rank_samples,
         )
     except (OSError, ValueError, RuntimeError) as exc:
-        raise _fail(f"{type(exc).__name__}: {exc}") from None
+        raise fail(f"{type(exc).__name__}: {exc}") from None
     result.meta["prompt_set"] = prompts
     data = result.to_dict()
     key = pair_key(result.meta["draft_id"], result.meta["target_id"])

@@ -1,5 +1,5 @@
 """CLI pieces of observability: options for `serve *`, `up`, `generate`, their set-up, and the
-`trace-report` / `trace-collect` commands (mounted on the `specdec` app by specdec.cli).
+`trace-report` / `trace-collect` commands (mounted on the `specdec` app by specdec.cli.main).
 
 Heavy imports (opentelemetry SDK, prometheus-client, grpc) happen inside the functions so that
 `specdec --help` stays fast.
@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from specdec.cli.common import CliError
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,29 @@ def child_args(role: str, *, trace_file: Path | str | None = None, otlp_endpoint
         if metrics_host is not None:
             args += ["--metrics-host", metrics_host]
     return args
+
+
+@dataclass
+class ObservabilityOptions:
+    """--trace-file / --otlp-endpoint / --metrics-port / --metrics-host as given on the command line."""
+
+    trace_file: Path | None = None
+    otlp_endpoint: str | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
+    def setup(self, role: str) -> Observability:
+        """Tracing and metrics of this process (setup_observability); CliError when it fails."""
+        try:
+            return setup_observability(role, trace_file=self.trace_file, otlp_endpoint=self.otlp_endpoint,
+                                       metrics_port=self.metrics_port, metrics_host=self.metrics_host)
+        except (OSError, ValueError) as exc:
+            raise CliError(f"{role}: {exc}") from None
+
+    def child_args(self, role: str) -> list[str]:
+        """What `up` passes on to its `serve ROLE` child (metrics ports: orchestrator P, drafter P+1, …)."""
+        return child_args(role, trace_file=self.trace_file, otlp_endpoint=self.otlp_endpoint,
+                          metrics_port=self.metrics_port, metrics_host=self.metrics_host)
 
 
 # ============================================================================ commands

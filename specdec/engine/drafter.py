@@ -44,6 +44,7 @@ from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import prepare
 from specdec.sampling import SamplingParams, warp_logits
+from specdec.trees import max_depth
 
 MAX_TREE_NODES = 1024
 MAX_LOOKAHEAD_GUESSES = 16
@@ -83,7 +84,7 @@ class DrafterEngine:
         with self.sessions.use(request.session_id, request.base_len) as session:
             committed = advance(session.committed, request.session_id, request.base_len, request.append)
             check_tokens("append", request.append, vocab)
-            check_context(len(committed) + _max_depth(shape), self.loaded.info.max_context)
+            check_context(len(committed) + max_depth(shape), self.loaded.info.max_context)
             session.committed = committed
             try:
                 return self._draft(session, committed, shape, request)
@@ -305,13 +306,6 @@ class DrafterEngine:
 
 def _warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return warp_logits(logits.float(), params)
-
-
-def _max_depth(shape: list[int]) -> int:
-    depths: list[int] = []
-    for parent in shape:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return max(depths, default=0)
 
 
 def _check_drafting(request: DraftRequest | LookaheadRequest) -> None:

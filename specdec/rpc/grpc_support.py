@@ -33,6 +33,8 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.engine.api import EngineError, InvalidRequest, PeerUnavailable, SessionGone
+from specdec.rpc import convert
+from specdec.rpc.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,29 @@ async def run_blocking(executor: Executor | None, fn: Callable[..., T], *args: A
     loop = asyncio.get_running_loop()
     call = functools.partial(contextvars.copy_context().run, fn, *args)
     return await loop.run_in_executor(executor, call)
+
+
+class EngineServicer:
+    """What the drafter and verifier services share: their engine, the worker pool its calls run
+    in, the observers told about every call, and the Info and Release RPCs.
+
+    Listed first among a servicer's bases, so these methods implement the generated ones.
+    """
+
+    def __init__(self, engine: Any, executor: Executor | None = None, observers: Sequence[Any] = ()) -> None:
+        self.engine = engine
+        self.executor = executor
+        # Told about every engine call (orchestrator.tracing.ServiceObserver: spans, metrics).
+        self.observers = tuple(observers)
+
+    @guarded
+    async def Info(self, request: common_pb2.InfoRequest, context: Any) -> common_pb2.ModelInfo:
+        return convert.model_info_to_proto(await run_blocking(self.executor, self.engine.info))
+
+    @guarded
+    async def Release(self, request: common_pb2.ReleaseRequest, context: Any) -> common_pb2.ReleaseResponse:
+        await run_blocking(self.executor, self.engine.release, request.session_id)
+        return common_pb2.ReleaseResponse()
 
 
 async def run_observed(

@@ -3,7 +3,8 @@
 GGUF files are dequantised by transformers, which takes about a minute for a 1B model. We do
 it once per file and keep the result as an ordinary safetensors directory under the specdec
 home (``$SPECDEC_HOME`` or ``~/.cache/specdec``), keyed by the file's sha256, so later starts
-load in about a second. Nothing here ever reaches a model hub (HF_HUB_OFFLINE is forced on).
+load in about a second. Nothing here ever reaches a model hub: every from_pretrained call is
+local_files_only (and the CLI defaults HF_HUB_OFFLINE to 1 when it runs a command).
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ["HF_HUB_OFFLINE"] = "1"
+import torch
 
-import torch  # noqa: E402
-
-from specdec.defaults import specdec_home  # noqa: E402
-from specdec.engine.api import ModelInfo  # noqa: E402
-from specdec.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint  # noqa: E402
+from specdec.defaults import specdec_home
+from specdec.engine.api import ModelInfo
+from specdec.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -20,8 +20,8 @@ def load_tokenizer(directory: str | Path):
     config_path = directory / "tokenizer_config.json"
     if config_path.exists():
         if json.loads(config_path.read_text()).get("tokenizer_class") == "PreTrainedTokenizerFast":
-            return PreTrainedTokenizerFast.from_pretrained(str(directory))
-    return AutoTokenizer.from_pretrained(str(directory))
+            return PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

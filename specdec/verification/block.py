@@ -1,4 +1,4 @@
-"""Block verification (Sun et al., ICLR 2025, Algorithm 2), exactly as ALGORITHMS.md §2.
+"""Block verification (Sun et al., ICLR 2025, Algorithm 2), exactly as docs/algorithms.md §2.
 
 Unlike token verification the whole block is judged jointly: with running weights
 w_i = min(1, w_{i−1} P_i(x̃_i)/Q_i(x̃_i)) every prefix length i passes independently with

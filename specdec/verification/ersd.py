@@ -1,4 +1,4 @@
-"""ERSD verification with position-keyed exponential races (ALGORITHMS.md §4).
+"""ERSD verification with position-keyed exponential races (docs/algorithms.md §4).
 
 At each node (from the root) the output is the winner of race(seed, position + depth) under the
 target row of that node; if a child carries that token the path descends into it, otherwise the

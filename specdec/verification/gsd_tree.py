@@ -1,4 +1,4 @@
-"""Multi-candidate tree verification by recursive rejection (ERSD paper Algorithm 4, ALGORITHMS §3).
+"""Multi-candidate tree verification by recursive rejection (ERSD paper Algorithm 4, docs/algorithms.md §3).
 
 The children of a node were drawn from Q without replacement; they are tried in rank order
 against a running target P* and running draft Q*: accept child x̃ with probability

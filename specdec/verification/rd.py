@@ -1,4 +1,4 @@
-"""Randomised drafting (Toner et al., ICML 2025) with per-position coins (ALGORITHMS.md §5).
+"""Randomised drafting (Toner et al., ICML 2025) with per-position coins (docs/algorithms.md §5).
 
 Coins b_1, b_2, ... ~ Bernoulli(a) are flipped before drafting (`leading_heads`); the K leading
 heads (capped at k_max) are the positions that get a draft. Each draft is accepted with

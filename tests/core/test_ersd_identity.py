@@ -20,7 +20,7 @@ from specdec.verification import ersd as ersd_module
 from specdec.verification.base import MethodParams
 from specdec.verification.dispatch import verify
 
-from .toy_models import SAMPLING_VARIANTS, Warped, anti_model, random_markov
+from .helpers_toy_models import SAMPLING_VARIANTS, Warped, anti_model, random_markov
 
 
 def ersd_generate(

@@ -29,8 +29,8 @@ from specdec.verification.base import MethodParams
 from specdec.verification.dispatch import verify
 from specdec.verification.rd import leading_heads
 
-from .enumeration import EnumerationError, enumerate_outcomes, expectation, max_abs_difference
-from .toy_models import SAMPLING_VARIANTS, Warped, constant_model, random_markov
+from .helpers_enumeration import EnumerationError, enumerate_outcomes, expectation, max_abs_difference
+from .helpers_toy_models import SAMPLING_VARIANTS, Warped, constant_model, random_markov
 
 TOLERANCE = 1e-12
 
@@ -171,7 +171,7 @@ def test_larger_vocabularies_exact(method: str, vocab: int, k: int, variant: str
 
 def test_terrible_drafter_and_longer_output() -> None:
     """A drafter with most mass where the target has least, L = 4, vocabulary 5."""
-    from .toy_models import anti_model
+    from .helpers_toy_models import anti_model
 
     target_model = random_markov(5, 1, seed=7)
     target = Warped(target_model)

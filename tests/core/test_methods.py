@@ -39,6 +39,8 @@ def test_needs_rows_per_method() -> None:
 
 def test_capabilities() -> None:
     assert {n for n, m in METHODS.items() if m.pipelinable} == {"token", "block", "ersd", "rd"}
+    # Growing pre-drafts are exact only where the decision at position i reads drafts up to i.
+    assert {n for n, m in METHODS.items() if m.adaptive_length} == {"token", "ersd"}
     assert {n for n, m in METHODS.items() if m.draft_strategy == "race"} == {"ersd"}
     assert {n for n, m in METHODS.items() if m.drafts_trees} == {"ersd", "gsd-tree"}
     assert {n for n, m in METHODS.items() if m.coins} == {"rd"}
@@ -47,6 +49,7 @@ def test_capabilities() -> None:
     for method in METHODS.values():
         assert method.speculative == (method.draft_strategy is not None) == bool(method.draft_shapes)
         assert method.default_shape is None or method.default_shape in method.draft_shapes
+        assert method.pipelinable or not method.adaptive_length
 
 
 def test_every_rule_resolves_to_its_module() -> None:

@@ -13,7 +13,7 @@ from specdec.verification.base import MethodParams, Rows, VerificationError, Ver
 from specdec.verification.dispatch import verify
 from specdec.verification.rd import leading_heads
 
-from .enumeration import enumerate_outcomes, max_abs_difference
+from .helpers_enumeration import enumerate_outcomes, max_abs_difference
 
 V = 6
 GREEDY = SamplingParams(temperature=0.0)

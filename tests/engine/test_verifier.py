@@ -15,7 +15,7 @@ from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import optimal_tree_shape
 from specdec.verification.base import MethodParams
 
-from .loop import speculate
+from .helpers import speculate
 
 PROMPTS = [[1, 2, 3], [4], [0, 5, 6, 7, 1]]
 GREEDY = SamplingParams(temperature=0.0)

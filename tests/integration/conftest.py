@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import TINY_CONTEXT
+from .helpers import TINY_CONTEXT
 
 
 @dataclass

@@ -18,7 +18,7 @@ import pytest
 from orchestrator import processes
 from specdec.rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-from .support import (
+from .helpers import (
     CLI_TIMEOUT_S,
     ROOT,
     STARTUP_TIMEOUT_S,

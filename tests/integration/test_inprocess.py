@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .support import invoke_cli, json_lines, run_cli
+from .helpers import invoke_cli, json_lines, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 from orchestrator.processes import check_health
 from specdec.rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-from .support import TINY_CONTEXT, UpProcess, invoke_cli, json_lines, pid_alive, run_cli, wait_gone
+from .helpers import TINY_CONTEXT, UpProcess, invoke_cli, json_lines, pid_alive, run_cli, wait_gone
 
 pytestmark = pytest.mark.slow
 

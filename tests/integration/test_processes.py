@@ -18,7 +18,7 @@ import pytest
 from orchestrator import processes
 from orchestrator.processes import Child, ProcessError, Supervisor
 
-from .support import invoke_cli, pid_alive, wait_gone
+from .helpers import invoke_cli, pid_alive, wait_gone
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 STUBBORN = [sys.executable, "-c", textwrap.dedent("""

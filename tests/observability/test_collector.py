@@ -13,7 +13,7 @@ import pytest
 from orchestrator.trace_collector import start_collector
 from orchestrator.tracing import configure_tracing, read_spans
 
-from .support import ROOT, node_env
+from .helpers import ROOT, node_env
 
 
 def _emit(tracing) -> None:

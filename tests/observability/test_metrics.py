@@ -14,7 +14,7 @@ from specdec.engine.sessions import SessionConfig
 from specdec.generation import GenerationRequest
 from specdec.sampling import SamplingParams
 
-from .support import scrape, total
+from .helpers import scrape, total
 
 
 def _request(method: str, **kw) -> GenerationRequest:

@@ -19,7 +19,7 @@ from orchestrator.intervals import intersections
 from orchestrator.tracing import DRAFT_SPAN, ITERATION_SPAN, REQUEST_SPAN, VERIFY_SPAN, configure_tracing
 from specdec.generation import GenerationRequest, GenerationResult
 
-from .support import Node, OtlpReceiver, ancestors, by_id, named, node_env, scrape, total
+from .helpers import Node, OtlpReceiver, ancestors, by_id, named, node_env, scrape, total
 from .test_dashboard import DASHBOARD, metric_names, queries
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -19,7 +19,7 @@ from orchestrator.tracing import (
 )
 from specdec.generation import GenerationRequest
 
-from .support import ancestors, by_id, named
+from .helpers import ancestors, by_id, named
 
 PROMPT = [1, 2, 3, 4]
 

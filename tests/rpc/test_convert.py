@@ -458,7 +458,7 @@ PAIRS = [
 
 @pytest.mark.parametrize(("cls", "message"), PAIRS, ids=[c.__name__ for c, _ in PAIRS])
 def test_every_dataclass_field_is_on_the_wire(cls, message) -> None:
-    """A field added to a dataclass must be added to its message (and to proto/convert.py)."""
+    """A field added to a dataclass must be added to its message (and to specdec/rpc/convert.py)."""
     missing = {f.name for f in dataclasses.fields(cls)} - set(message.DESCRIPTOR.fields_by_name)
     assert not missing, (
         f"{cls.__name__} fields missing from {message.DESCRIPTOR.full_name}: {sorted(missing)}"

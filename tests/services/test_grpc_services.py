@@ -36,7 +36,7 @@ from specdec.sampling import SamplingParams
 from specdec.verification.base import MethodParams
 from verifier_service.server import start_verifier_server
 
-from .fakes import SECRET, FakeDrafter, FakeOrchestrator, FakeVerifier
+from .helpers import SECRET, FakeDrafter, FakeOrchestrator, FakeVerifier
 
 pytestmark = pytest.mark.timeout(60)
 

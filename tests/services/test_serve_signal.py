@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import asyncio, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
-from tests.services.fakes import FakeDrafter, FakeOrchestrator
+from tests.services.helpers import FakeDrafter, FakeOrchestrator
 kind = sys.argv[1]
 if kind == "drafter":
     from drafter_service.server import serve_drafter as serve

@@ -121,7 +121,7 @@ def node_env(**extra: str) -> dict[str, str]:
 
 
 class Node:
-    """tests/observability/node.py as a child process (ready file, log file, SIGTERM stop)."""
+    """tests/observability/helpers_node.py as a child process (ready file, log file, SIGTERM stop)."""
 
     def __init__(self, workdir: Path, role: str, *args: str, env: dict[str, str] | None = None) -> None:
         self.role = role
@@ -129,8 +129,8 @@ class Node:
         self.log_path = workdir / f"{role}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.observability.node", role, "--ready-file", str(self.ready_file),
-             *args],
+            [sys.executable, "-m", "tests.observability.helpers_node", role,
+             "--ready-file", str(self.ready_file), *args],
             cwd=ROOT, env=env or node_env(), stdout=self._log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
         self.info: dict[str, Any] = {}

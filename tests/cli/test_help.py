@@ -13,9 +13,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from specdec.cli import main as cli
-
-from .support import cli_env
+from specdec.cli import app
+from specdec.defaults import DEFAULT_DRAFT_MODEL
+from specdec.methods import METHOD_NAMES
+from tests.integration.helpers import cli_env
 
 
 # typer ships its own copy of click: check by duck type, not against the click package's classes.
@@ -36,18 +37,18 @@ def _all_commands(command, path: list[str]) -> list[list[str]]:
     return found
 
 
-COMMANDS = _all_commands(typer.main.get_command(cli.app), [])
+COMMANDS = _all_commands(typer.main.get_command(app), [])
 
 
 def _command(path: list[str]):
-    command = typer.main.get_command(cli.app)
+    command = typer.main.get_command(app)
     for name in path:
         command = command.commands[name]
     return command
 
 
 def _help(path: list[str]) -> str:
-    result = CliRunner().invoke(cli.app, [*path, "--help"], env={"COLUMNS": "220", "NO_COLOR": "1"})
+    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "220", "NO_COLOR": "1"})
     assert result.exit_code == 0, result.output
     return re.sub(r"\s+", " ", result.output)
 
@@ -68,7 +69,8 @@ def test_help_mentions_every_option(path: list[str]) -> None:
             assert name in text
 
 
-@pytest.mark.parametrize("path", [["up"], ["generate"], ["serve", "drafter"], ["serve", "orchestrator"]])
+@pytest.mark.parametrize("path", [["up"], ["generate"], ["serve", "drafter"], ["serve", "verifier"],
+                                  ["serve", "orchestrator"]])
 def test_help_shows_defaults(path: list[str]) -> None:
     text = _help(path)
     for param in _command(path).params:
@@ -85,7 +87,7 @@ def test_the_main_commands_are_there() -> None:
 
 def test_generate_help_names_methods_and_default_address() -> None:
     text = _help(["generate"])
-    for method in cli.METHODS:
+    for method in METHOD_NAMES:
         assert method in text
     assert "127.0.0.1:50050" in text
 
@@ -94,18 +96,18 @@ def test_bad_usage_exits_2_without_traceback() -> None:
     runner = CliRunner()
     for args in (["generate", "--draft", "x"], ["generate", "--prompt-ids", "1,a"],
                  ["generate", "p", "--prompt", "q"], ["up", "--drafter-cores", "x"]):
-        result = runner.invoke(cli.app, args, env={"COLUMNS": "220"})
+        result = runner.invoke(app, args, env={"COLUMNS": "220"})
         assert result.exit_code == 2, (args, result.output)
         assert "Traceback" not in result.output
 
 
 def test_up_reports_missing_model_with_the_install_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))  # an empty model store
-    result = CliRunner().invoke(cli.app, ["up"], env={"COLUMNS": "220"})
+    result = CliRunner().invoke(app, ["up"], env={"COLUMNS": "220"})
     assert result.exit_code == 1
     assert "not installed" in result.output
-    assert f"specdec models install {cli.DEFAULT_DRAFT}" in result.output
-    result = CliRunner().invoke(cli.app, ["up", "--draft", str(tmp_path / "nope")], env={"COLUMNS": "220"})
+    assert f"specdec models install {DEFAULT_DRAFT_MODEL}" in result.output
+    result = CliRunner().invoke(app, ["up", "--draft", str(tmp_path / "nope")], env={"COLUMNS": "220"})
     assert result.exit_code == 1 and "no such file or directory" in result.output
 
 
@@ -115,13 +117,13 @@ def test_models_list_and_install_without_a_network(tmp_path, monkeypatch) -> Non
     from specdec import models
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))  # an empty model store
-    result = CliRunner().invoke(cli.app, ["models", "list", "--json"])
+    result = CliRunner().invoke(app, ["models", "list", "--json"])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [row["name"] for row in rows] == list(models.REGISTRY)
     assert not any(row["installed"] for row in rows)
     assert {row["role"] for row in rows} >= {"default draft", "default target"}
-    result = CliRunner().invoke(cli.app, ["models", "install", "no-such-model"])
+    result = CliRunner().invoke(app, ["models", "install", "no-such-model"])
     assert result.exit_code == 2 and "unknown model" in result.stderr
 
 
@@ -133,7 +135,7 @@ def test_console_script_runs() -> None:
 
 
 def test_generate_with_a_missing_model_is_one_line(tmp_path) -> None:
-    result = CliRunner().invoke(cli.app, ["generate", "--draft", str(tmp_path / "nope"), "--target",
+    result = CliRunner().invoke(app, ["generate", "--draft", str(tmp_path / "nope"), "--target",
                                           str(tmp_path / "nope"), "t1"], env={"COLUMNS": "220"})
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and "no such file or directory" in result.stderr

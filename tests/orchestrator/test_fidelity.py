@@ -10,38 +10,30 @@ same test, which shows the test has the power to notice.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import os
 
 import pytest
-import torch
-from scipy.stats import chisquare
 
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.speculation import Orchestrator
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
-from specdec.generation import GenerationRequest
 from specdec.runtime.loading import load_model
 from specdec.runtime.tiny import save_tiny_model
-from specdec.sampling import SamplingParams, warp_logits
+from specdec.sampling import SamplingParams
 from specdec.trees import DraftTree
 from specdec.verification.base import VerifyResult
+from tests.orchestrator.helpers import P_THRESHOLD, PROMPT, exact_distribution, p_values, sample
 
 pytestmark = pytest.mark.slow
 
-PROMPT = [0, 3]
-LENGTH = 3
 # A 3-token completion costs ~15 ms of CPU with these engines (HF's per-forward Python overhead
 # dominates; one-layer models keep it down): 1000 per method keeps the file near 2.5 CPU-minutes.
 # With the 2-layer pair, the broken rule below already failed at p ~ 2e-6 from 800 samples.
 # Set SPECDEC_FIDELITY_SAMPLES higher for a stronger run.
 SAMPLES = int(os.environ.get("SPECDEC_FIDELITY_SAMPLES", "1000"))
 VOCAB = 6
-CONCURRENCY = 4
-P_THRESHOLD = 1e-3
 CONFIGS = [
     ("token", {"k": 2}),
     ("block", {"k": 3}),
@@ -53,71 +45,6 @@ CONFIGS = [
     ("autoregressive", {}),
 ]
 CONFIG_IDS = [f"{m}-" + "-".join(f"{k}{v}" for k, v in knobs.items()) for m, knobs in CONFIGS]
-
-
-def exact_distribution(model, prompt: list[int], sampling: SamplingParams, vocab: int) -> dict[tuple, float]:
-    """P(x1 x2 x3 | prompt) for every continuation, from one batched plain forward."""
-    pairs = list(itertools.product(range(vocab), repeat=LENGTH - 1))
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + list(p) for p in pairs])).logits.double()
-    rows = warp_logits(logits, sampling)
-    n = len(prompt)
-    out: dict[tuple, float] = {}
-    for i, (a, b) in enumerate(pairs):
-        for c in range(vocab):
-            out[(a, b, c)] = float(rows[i, n - 1, a] * rows[i, n, b] * rows[i, n + 1, c])
-    return out
-
-
-async def sample(orch: Orchestrator, method: str, knobs: dict, sampling: SamplingParams,
-                 seeds) -> list[tuple]:
-    async def one(seed: int) -> tuple:
-        request = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=LENGTH, sampling=sampling, seed=seed,
-                                    method=method, stop_token_ids=[], **knobs)
-        result = await orch.generate(request)
-        assert len(result.token_ids) == LENGTH
-        return tuple(result.token_ids)
-
-    seeds = list(seeds)
-    out: list[tuple] = []
-    for start in range(0, len(seeds), CONCURRENCY):
-        out += await asyncio.gather(*(one(s) for s in seeds[start:start + CONCURRENCY]))
-    return out
-
-
-def p_values(samples: list[tuple], exact: dict[tuple, float]) -> tuple[float, float]:
-    """Chi-square p-values of the joint continuation and of the first token's marginal.
-
-    The joint test sees every kind of error; the first-token test spends its power on the
-    first emitted token (the verification step itself), where most rule errors show first.
-    """
-    first: dict[tuple, float] = {}
-    for key, p in exact.items():
-        first[key[:1]] = first.get(key[:1], 0.0) + p
-    return chi_square_p(samples, exact), chi_square_p([s[:1] for s in samples], first)
-
-
-def chi_square_p(samples: list[tuple], exact: dict[tuple, float]) -> float:
-    """Chi-square p-value; cells expected to hold fewer than 5 samples are pooled into one."""
-    n = len(samples)
-    counts: dict[tuple, int] = {}
-    for s in samples:
-        counts[s] = counts.get(s, 0) + 1
-    assert set(counts) <= set(exact), "a sample outside the support"
-    observed, expected, rest_obs, rest_exp = [], [], 0, 0.0
-    for key, p in exact.items():
-        if n * p >= 5:
-            observed.append(counts.get(key, 0))
-            expected.append(n * p)
-        else:
-            rest_obs += counts.get(key, 0)
-            rest_exp += n * p
-    if rest_exp > 0:
-        observed.append(rest_obs)
-        expected.append(rest_exp)
-    total = sum(expected)
-    expected = [e * n / total for e in expected]  # float rounding of the enumeration
-    return float(chisquare(observed, expected).pvalue)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +60,7 @@ def make_orchestrator(pair, verifier: VerifierEngine | None = None) -> Orchestra
     _, _, verifier_engine, drafter_engine = pair
     return Orchestrator(InProcessDrafterClient(drafter_engine),
                         InProcessVerifierClient(verifier or verifier_engine),
-                        OrchestratorConfig(pipeline=False))  # pipelined: test_orch_pipeline.py
+                        OrchestratorConfig(pipeline=False))  # pipelined: test_pipeline.py
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 Cache correctness is checked against plain forwards with no cache at all: greedy output must be
 Hugging Face's greedy generate, and seeded ERSD / autoregressive output must be the race
-decoding of the target computed from full forwards (ALGORITHMS.md §4) — also after sessions
+decoding of the target computed from full forwards (docs/algorithms.md §4) — also after sessions
 are lost (SessionGone) and while the drafter is down (fallback).
 """
 
@@ -12,7 +12,6 @@ import asyncio
 import math
 
 import pytest
-from orch_helpers import FlakyDrafter, ForgetfulClient, hf_greedy, race_reference
 
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
@@ -26,6 +25,7 @@ from specdec.engine.verifier import VerifierEngine
 from specdec.generation import GenerationRequest
 from specdec.runtime.loading import load_model
 from specdec.sampling import SamplingParams
+from tests.orchestrator.helpers import FlakyDrafter, ForgetfulClient, hf_greedy, race_reference
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLE = SamplingParams(temperature=1.0)

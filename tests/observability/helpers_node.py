@@ -1,6 +1,6 @@
 """One specdec service process for the observability tests, wired the way the CLI wires it.
 
-    python -m tests.observability.node ROLE --ready-file F [--model DIR] [--sleep S]
+    python -m tests.observability.helpers_node ROLE --ready-file F [--model DIR] [--sleep S]
         [--drafter ADDR --verifier ADDR] [--trace-file F] [--otlp-endpoint E] [--metrics-port P]
 
 ROLE is drafter, verifier or orchestrator. --sleep slows every forward pass of the model by S

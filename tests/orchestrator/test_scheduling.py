@@ -6,7 +6,8 @@ import pytest
 
 from orchestrator import scheduling
 from orchestrator.config import OrchestratorConfig
-from specdec.trees import DraftTree
+from specdec.trees import DraftTree, max_depth, optimal_tree_shape
+from tests.orchestrator.helpers import make_run
 
 
 def test_sequence_shape():
@@ -19,7 +20,7 @@ def test_cap_depth_drops_deep_nodes_and_renumbers():
     capped = scheduling.cap_depth(shape, 2)
     assert capped == [-1, -1, 0, 0, 1]
     DraftTree(tuple(range(len(capped))), tuple(capped))  # parents precede children
-    assert scheduling.shape_depth(capped) == 2
+    assert max_depth(capped) == 2
     assert scheduling.cap_depth(shape, 10) == shape
     assert scheduling.cap_depth(shape, 0) == []
 
@@ -75,3 +76,41 @@ def test_config_from_environment(monkeypatch):
         OrchestratorConfig(default_method="nope")
     with pytest.raises(ValueError):
         OrchestratorConfig(rank_acceptance=[1.5])
+
+
+def test_depth_cap():
+    assert scheduling.depth_cap(10, []) == 1 << 30
+    assert scheduling.depth_cap(10, [0, 16]) == 5  # 0: no limit; one slot for the extra token
+    assert scheduling.depth_cap(10, [64, 12]) == 1
+    assert scheduling.depth_cap(10, [11]) == 0
+
+
+def test_plan_of_a_sequence_method():
+    pipelined = OrchestratorConfig(pipeline=True)
+    plan = scheduling.plan_iteration(make_run(method="block", k=4, config=pipelined), 9, depth_cap=3)
+    assert (plan.shape, plan.k, plan.heads, plan.pipelined) == ([-1, 0, 1], 4, None, True)
+    assert (plan.params.seed, plan.params.position) == (7, 9)
+    assert not scheduling.plan_iteration(make_run(method="token", k=2), 9, depth_cap=8).pipelined
+
+
+def test_plan_of_a_tree():
+    run = make_run(method="ersd", tree_budget=6, config=OrchestratorConfig(pipeline=True))
+    plan = scheduling.plan_iteration(run, 3, depth_cap=2)
+    assert plan.shape == scheduling.cap_depth(optimal_tree_shape(run.rank_acceptance, 6), 2)
+    assert (plan.k, plan.pipelined) == (6, False)  # trees are never pipelined
+
+
+def test_plan_of_rd_follows_its_coins():
+    config = OrchestratorConfig(pipeline=True)
+    for seed in range(12):
+        run = make_run(method="rd", k=3, a=0.5, seed=seed, config=config)
+        plan = scheduling.plan_iteration(run, 5, depth_cap=2)
+        heads = scheduling.rd_leading_heads(0.5, 2, seed, 5)  # k_max = min(k, depth cap)
+        assert (plan.heads, plan.shape, plan.k) == (heads, scheduling.sequence_shape(heads), 3)
+        assert (plan.params.a, plan.params.k_max) == (0.5, 2)
+        assert plan.pipelined == (heads == 2)
+
+
+def test_no_plan_without_a_draft():
+    assert scheduling.plan_iteration(make_run(method="autoregressive"), 3, depth_cap=8) is None
+    assert scheduling.plan_iteration(make_run(method="token"), 3, depth_cap=0) is None

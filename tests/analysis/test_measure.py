@@ -20,11 +20,11 @@ from specdec.analysis import (
     monotone,
     rank_acceptance,
     simulate_sequence_tokens,
-    tree_depth,
     tree_level_widths,
     warped_rows,
 )
 from specdec.sampling import SamplingParams
+from specdec.trees import max_depth
 
 
 def _random_rows(n: int, vocab: int, seed: int, sharp: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,9 +163,9 @@ def test_timing_interpolation_and_ratios() -> None:
 
 def test_tree_helpers() -> None:
     parents = [-1, -1, 0, 0, 2]
-    assert tree_depth(parents) == 3
+    assert max_depth(parents) == 3
     assert tree_level_widths(parents) == [2, 2, 1]
-    assert tree_depth([]) == 0
+    assert max_depth([]) == 0
 
 
 def test_warped_rows_are_the_models_next_token_distributions(tiny_models) -> None:
@@ -216,7 +216,7 @@ def test_analysis_structure(tiny_analysis) -> None:
         assert method["expected_tokens"] >= 1.0 and method["speedup_formula"] > 0
     assert 0.0 <= plan["rd"]["schedule"]["a"] <= 1.0
     assert isinstance(plan["rd"]["lemma_4_3_holds"], bool)
-    assert tree_depth(plan["tree"]["gsd"]["parents"]) == plan["tree"]["gsd"]["depth"]
+    assert max_depth(plan["tree"]["gsd"]["parents"]) == plan["tree"]["gsd"]["depth"]
     for key in (
         "tunstall_gsd",
         "tunstall_ersd",

@@ -138,6 +138,6 @@ def invoke_cli(*args: str):
     """
     from typer.testing import CliRunner
 
-    from specdec.cli import main as cli
+    from specdec.cli import app
 
-    return CliRunner().invoke(cli.app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})

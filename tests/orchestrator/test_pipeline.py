@@ -1,4 +1,4 @@
-"""Pipelined speculation (orchestrator.speculation, "Pipelining") through the real code path.
+"""Pipelined speculation (orchestrator.pipeline, "Pipelining") through the real code path.
 
 The drafter pre-drafts block n+1 from the speculative context committed + x_1..x_k + b while
 the verifier checks block n; the block is used only when that context came true. Checked here:
@@ -15,19 +15,30 @@ import time
 from itertools import zip_longest
 
 import pytest
-from orch_helpers import FlakyDrafter, hf_greedy
-from test_orch_fidelity import exact_distribution, p_values, sample
+import torch
 
+from orchestrator import pipeline
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.speculation import Orchestrator
-from specdec.engine.api import InvalidRequest
+from specdec.engine.api import DraftResult, InvalidRequest
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
 from specdec.generation import GenerationRequest
+from specdec.methods import get_method
 from specdec.runtime.loading import load_model
 from specdec.runtime.tiny import save_tiny_model
 from specdec.sampling import SamplingParams
+from tests.orchestrator.helpers import (
+    P_THRESHOLD,
+    PROMPT,
+    FlakyDrafter,
+    exact_distribution,
+    hf_greedy,
+    make_run,
+    p_values,
+    sample,
+)
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLE = SamplingParams(temperature=1.0)
@@ -205,10 +216,10 @@ def slow_self_pair(model_dirs):
 async def test_pipelined_drafts_overlap_verification(slow_self_pair, loaded):
     drafter, verifier = slow_self_pair
     results = {}
-    for pipeline in (False, True):
+    for on in (False, True):
         orch = Orchestrator(InProcessDrafterClient(drafter), InProcessVerifierClient(verifier),
-                            OrchestratorConfig(pipeline=pipeline))
-        results[pipeline] = await orch.generate(_request(PROMPTS[0], 24, "token", GREEDY, k=3))
+                            OrchestratorConfig(pipeline=on))
+        results[on] = await orch.generate(_request(PROMPTS[0], 24, "token", GREEDY, k=3))
     sequential, pipelined = results[False], results[True]
     assert pipelined.token_ids == sequential.token_ids == hf_greedy(loaded["target"].model, PROMPTS[0], 24)
     assert sequential.stats.overlap_seconds <= 1e-9
@@ -222,7 +233,7 @@ async def test_pipelined_drafts_overlap_verification(slow_self_pair, loaded):
 
 
 # ------------------------------------------------------------------------------------------------
-# fidelity at T = 1 (same machinery and thresholds as test_orch_fidelity.py)
+# fidelity at T = 1 (same machinery and thresholds as test_fidelity.py)
 
 SAMPLES = 1500
 # k = 1: a pre-draft fits in 3 tokens; rd at a = 1 draws K = k_max everywhere, so it always pipelines
@@ -242,8 +253,6 @@ def fidelity_pair(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("method,knobs", FIDELITY, ids=FIDELITY_IDS)
 async def test_pipelined_output_is_distributed_as_the_target(fidelity_pair, method, knobs):
-    from test_orch_fidelity import P_THRESHOLD, PROMPT
-
     target, verifier, drafter = fidelity_pair
     stats = []
     orch = Orchestrator(InProcessDrafterClient(drafter), InProcessVerifierClient(verifier),
@@ -323,6 +332,58 @@ class _LateVerifier:
         return outcome
 
 
+
+@pytest.mark.parametrize("method", ["token", "block", "ersd", "rd"])
+async def test_adaptive_length_only_where_it_is_exact(make_orchestrator, engines, loaded, method):
+    """Block and rd ignore pipeline_max_k: every verified block has length k (a grown pre-draft is
+    not exact for block verification, orchestrator.pipeline); token and ersd blocks grow."""
+    seen: list[int] = []
+
+    class Recording(InProcessDrafterClient):
+        async def lookahead(self, request):
+            seen.append(request.k)
+            return await super().lookahead(request)
+
+    orch = make_orchestrator(drafter=Recording(engines["self"]), pipeline=True, pipeline_max_k=6)
+    orch.verifier = _LateVerifier(orch.verifier)  # time for the pre-drafts to grow, where they may
+    knobs = {"k": 2, "a": 1.0} if method == "rd" else {"k": 2}
+    result = await orch.generate(_request(PROMPTS[0], 24, method, GREEDY, **knobs))
+    assert result.token_ids == hf_greedy(loaded["target"].model, PROMPTS[0], 24)
+    lengths = [r.num_drafted for r in result.iterations if r.drafted]
+    assert result.stats.pre_drafts_used > 0, result.stats
+    if get_method(method).adaptive_length:
+        assert max(lengths) > 2 and set(seen) == {1}, (lengths, seen)  # look-aheads of one, then growth
+    else:
+        assert set(lengths) == {2} and set(seen) == {2}, (lengths, seen)
+    _check_records(result)
+
+
+def test_growth_follows_the_registry():
+    for method in ("token", "block", "ersd", "rd"):
+        run = make_run(method=method, config=OrchestratorConfig(pipeline=True, pipeline_max_k=4))
+        assert pipeline.adaptive(run) == (method in ("token", "ersd"))
+        assert not pipeline.adaptive(make_run(method=method, config=OrchestratorConfig(pipeline=True)))
+
+
+def test_a_grown_pre_draft_is_not_taken_for_a_fixed_length_method():
+    rows = torch.rand(4, 6)
+    for method, taken in (("token", True), ("block", False)):
+        run = make_run(method=method, config=OrchestratorConfig(pipeline=True, pipeline_max_k=4))
+        grown = DraftResult([1, 2, 3], [-1, 0, 1], rows)
+        run.predraft = pipeline.PreDraft(run.committed, grown)
+        assert (pipeline.take_predraft(run, run.committed, 2) is grown) == taken
+        assert (run.stats.pre_drafts_used, run.stats.pre_drafts_dropped) == (int(taken), int(not taken))
+        assert run.predraft is None
+
+
+def test_chained_one_token_drafts_keep_the_row_layout():
+    steps = [DraftResult([t], [-1], torch.full((2, 6), float(t))) for t in (3, 1, 4)]
+    chained = pipeline.chain(steps, want_rows=True)
+    assert (chained.tokens, chained.parents) == ([3, 1, 4], [-1, 0, 1])
+    assert chained.draft_probs[:, 0].tolist() == [3.0, 1.0, 4.0, 0.0]  # each step's first row; leaf row zero
+    assert pipeline.chain(steps, want_rows=False).draft_probs is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["token", "ersd"])  # sampled rows chained / races (block: as token)
 async def test_adaptive_output_is_distributed_as_the_target(fidelity_pair, method):
@@ -332,8 +393,6 @@ async def test_adaptive_output_is_distributed_as_the_target(fidelity_pair, metho
     guess is the drafter's argmax); the acceptance rules still see the chained draft rows, and a
     row out of place would change acceptance away from 1 and show in the test.
     """
-    from test_orch_fidelity import P_THRESHOLD, PROMPT
-
     target, verifier, _ = fidelity_pair
     drafter = DrafterEngine(load_model(target.directory, threads=1))
     orch = Orchestrator(InProcessDrafterClient(drafter), _LateVerifier(InProcessVerifierClient(verifier)),

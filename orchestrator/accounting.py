@@ -1,0 +1,120 @@
+"""What an iteration leaves behind: its IterationRecord, the run's GenerationStats, and the model
+pair's calibration counters (added to the store now and then, read back to shape trees).
+
+Counter keys, per method ("{method}:…"): iterations, drafted_tokens, accepted_tokens,
+drafted@d / accepted@d (iterations whose draft / accepted path reached depth d + 1), and the rank
+statistics R(j) of docs/algorithms.md §6: rank_trials@j (a decided node had a child of rank j)
+and rank_hits@j (the accepted child had rank j), read by
+scheduling.rank_acceptance_from_calibration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from specdec.engine.api import VerifyOutcome
+from specdec.generation import GenerationStats, IterationRecord
+from specdec.trees import DraftTree
+
+if TYPE_CHECKING:
+    from orchestrator.run import Run, Timeline
+    from orchestrator.store import Store
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_FLUSH_ITERATIONS = 64  # long requests add their counts to the store this often
+
+
+def account(
+    run: Run, record: IterationRecord, *, tree: DraftTree, outcome: VerifyOutcome, emitted: list[int],
+    started: float, timeline: Timeline,
+) -> None:
+    """Complete the iteration's record, add it to the run's statistics and calibration counts."""
+    record.drafted = len(tree) > 0
+    record.num_drafted = len(tree)
+    record.accepted = len(outcome.accepted_nodes)
+    record.emitted = emitted
+    record.start, record.end = run.epoch(started), run.epoch(time.perf_counter())
+    record.draft_intervals = [(run.epoch(s), run.epoch(e)) for s, e in timeline.draft]
+    record.verify_intervals = [(run.epoch(s), run.epoch(e)) for s, e in timeline.verify]
+    record.overlap_seconds = timeline.overlap_seconds()
+
+    stats = run.stats
+    stats.iterations += 1
+    stats.new_tokens = len(run.generated)
+    stats.draft_seconds += timeline.draft_seconds()
+    stats.verify_seconds += timeline.verify_seconds()
+    stats.overlap_seconds += record.overlap_seconds
+    if record.fallback:
+        stats.fallback_iterations += 1
+    if record.drafted:
+        accepted = len(outcome.accepted_nodes)
+        stats.drafted_iterations += 1
+        stats.drafted_tokens += len(tree)
+        stats.accepted_tokens += accepted
+        bump(stats.drafted_per_position, tree.max_depth)
+        bump(stats.accepted_per_position, accepted)
+        count_calibration(run.calibration, record.method, tree, outcome.accepted_nodes)
+    run.iterations.append(record)
+
+
+def count_calibration(counts: Counter, method: str, tree: DraftTree, accepted_nodes: list[int]) -> None:
+    """Add one verified draft to the pair's acceptance counters (keys: module docstring)."""
+    prefix = f"{method}:"
+    accepted = len(accepted_nodes)
+    counts[prefix + "iterations"] += 1
+    counts[prefix + "drafted_tokens"] += len(tree)
+    counts[prefix + "accepted_tokens"] += accepted
+    for depth in range(1, tree.max_depth + 1):
+        counts[f"{prefix}drafted@{depth - 1}"] += 1
+    for depth in range(1, accepted + 1):
+        counts[f"{prefix}accepted@{depth - 1}"] += 1
+    # Rank statistics R(j): at each decided node, which ranked child (if any) was accepted.
+    node = -1
+    for depth in range(tree.max_depth + 1):
+        children = tree.children(node)
+        if not children:
+            break
+        for rank in range(len(children)):
+            counts[f"{prefix}rank_trials@{rank}"] += 1
+        chosen = accepted_nodes[depth] if depth < accepted else None
+        if chosen is None or chosen not in children:
+            break
+        counts[f"{prefix}rank_hits@{children.index(chosen)}"] += 1
+        node = chosen
+
+
+async def flush_calibration(run: Run, store: Store, pair_key: str) -> None:
+    """Add the run's acceptance counts to the model pair's running statistics in the store."""
+    if not run.calibration:
+        return
+    counts = dict(run.calibration)
+    run.calibration.clear()
+    try:
+        await store.add_calibration(pair_key, counts)
+    except Exception:  # statistics are not worth failing a request for
+        log.exception("could not store calibration counts")
+
+
+def stats_dict(stats: GenerationStats) -> dict[str, Any]:
+    """GenerationStats as JSON values (dataclasses.asdict deep-copies, which costs on every iteration)."""
+    return {f.name: (list(v) if isinstance(v := getattr(stats, f.name), list) else v) for f in fields(stats)}
+
+
+def bump(counts: list[int], upto: int) -> None:
+    """counts[i] += 1 for i < upto, growing the list as needed."""
+    if len(counts) < upto:
+        counts.extend([0] * (upto - len(counts)))
+    for i in range(upto):
+        counts[i] += 1
+
+
+def bump_at(counts: list[int], index: int) -> None:
+    """counts[index] += 1, growing the list as needed."""
+    if len(counts) <= index:
+        counts.extend([0] * (index + 1 - len(counts)))
+    counts[index] += 1

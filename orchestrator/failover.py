@@ -1,0 +1,97 @@
+"""A lost or late drafter: target-only steps meanwhile, a back-off before the next try, and the
+checks a drafter passes when it (re)appears.
+
+Exact by docs/algorithms.md §8 ("Drafter down → target-only step"): if the drafter fails during
+an iteration nothing has been verified, so the attempt is dropped and the iteration becomes
+`verify(TARGET_ONLY_VERIFICATION, empty tree)` at the same position — exact on its own, and its
+randomness is keyed on that position like any iteration's. Only a verified block is ever kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from orchestrator.clients.base import DrafterClient
+from orchestrator.config import OrchestratorConfig
+from specdec.calibration import load_calibration
+from specdec.engine.api import InvalidRequest, ModelInfo, PeerUnavailable
+
+log = logging.getLogger(__name__)
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+class DrafterDown(Exception):
+    """The drafter could not be reached during an iteration (its PeerUnavailable, wrapped)."""
+
+    def __init__(self, cause: PeerUnavailable) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class Backoff:
+    """After the drafter was lost: when to try it again."""
+
+    def __init__(self) -> None:
+        self._retry_at = 0.0  # monotonic time before which the drafter is not tried
+
+    def lost(self, exc: Exception, retry_seconds: float) -> None:
+        log.warning("drafter unavailable (%s); target-only steps, retry in %.1fs", exc, retry_seconds)
+        self._retry_at = time.monotonic() + retry_seconds
+
+    @property
+    def waiting(self) -> bool:
+        return time.monotonic() < self._retry_at
+
+
+async def connect_drafter(
+    drafter: DrafterClient, target: ModelInfo, config: OrchestratorConfig
+) -> tuple[ModelInfo, OrchestratorConfig]:
+    """Read the drafter's info, refuse a vocabulary unlike the target's, and return its info with
+    the configuration to use from now on (the pair's saved calibration applied, if enabled).
+
+    Raises PeerUnavailable when the drafter cannot be reached (the caller backs off).
+    """
+    info = await drafter.info()
+    check_vocabulary(info, target)
+    if config.use_calibration:
+        config = calibrated_config(config, info, target)
+    return info, config
+
+
+def check_vocabulary(draft: ModelInfo, target: ModelInfo) -> None:
+    if draft.vocab_size != target.vocab_size or draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise InvalidRequest(
+            f"vocabulary mismatch: drafter {draft.model_id!r} has vocab_size {draft.vocab_size} and "
+            f"tokenizer {draft.tokenizer_fingerprint[:12]}, verifier {target.model_id!r} has vocab_size "
+            f"{target.vocab_size} and tokenizer {target.tokenizer_fingerprint[:12]}"
+        )
+
+
+def calibrated_config(config: OrchestratorConfig, draft: ModelInfo, target: ModelInfo) -> OrchestratorConfig:
+    """Saved analyser results for this pair become the defaults of fields not set explicitly."""
+    calibration = load_calibration(draft.model_id, target.model_id)
+    if calibration is None:
+        return config
+    explicit = config.model_fields_set
+    updates = {k: v for k, v in calibration.orchestrator_defaults().items() if k not in explicit}
+    if not updates:
+        return config
+    log.info("calibration of %s → %s applied: %s", draft.model_id, target.model_id, updates)
+    return config.model_copy(update=updates)
+
+
+async def both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
+    """Run two calls concurrently and wait for both; a verifier error wins over a lost drafter
+    (the iteration then fails rather than falling back to a target-only step)."""
+    results = await asyncio.gather(first, second, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        errors.sort(key=lambda e: isinstance(e, DrafterDown))
+        raise errors[0]
+    return results[0], results[1]  # type: ignore[return-value]

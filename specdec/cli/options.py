@@ -1,0 +1,62 @@
+"""Option types shared by several commands (`serve *`, `up`, `generate`) and small parse helpers.
+
+The observability options (--trace-file, --otlp-endpoint, --metrics-port, --metrics-host) live
+in specdec.cli.observability with the rest of that set-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orchestrator import processes
+from specdec.cli.common import fail
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Registry name or path (HF folder or .gguf).")]
+HostOpt = Annotated[str, typer.Option("--host", help="Interface to listen on.")]
+PortOpt = Annotated[int, typer.Option("--port", help="Port to listen on (0 = any free port).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="torch device of the model (cpu, cuda, mps).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help=(
+    "Weights precision: float32, bfloat16, float16, or int8 (every Linear dynamically quantised to "
+    "int8 per channel; CPU only; several times faster than float32 on CPUs without bf16 units)."))]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    "--threads", help="torch CPU threads. Default: the number of --cores, else torch's default.",
+    show_default=False)]
+CoresOpt = Annotated[str | None, typer.Option(
+    "--cores", help="Pin this process to these CPU cores, e.g. 0 or 0,2-3 (os.sched_setaffinity). "
+    "Default: no pinning.", show_default=False)]
+MaxMessageOpt = Annotated[float, typer.Option("--max-message-mb", help="gRPC message size limit (MB).")]
+MaxSessionsOpt = Annotated[int, typer.Option("--max-sessions", help="KV-cache sessions kept (LRU).")]
+SessionTtlOpt = Annotated[float, typer.Option("--session-ttl", help="Seconds an idle session is kept.")]
+ReadyFileOpt = Annotated[Path | None, typer.Option(
+    "--ready-file", help="Once serving, write JSON {address, host, port, pid, ...} to this file.",
+    show_default=False)]
+LogLevelOpt = Annotated[str, typer.Option("--log-level", help="Python logging level.")]
+
+
+def parse_cores(text: str | None, option: str) -> list[int] | None:
+    """'0,2-3' → [0, 2, 3]; None → None (no pinning); a usage error (exit 2) naming `option` when bad."""
+    try:
+        return processes.parse_cores(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{exc} (expected e.g. 0 or 0,2-3)", param_hint=option) from None
+
+
+def check_port_free(host: str, port: int, option: str) -> None:
+    """Exit 1 with one line naming `option` when host:port is taken (port 0 is always free)."""
+    if processes.port_in_use(host, port):
+        raise fail(f"{host}:{port} is already in use (another `specdec up` or service?); choose another "
+                   f"{option}, or 0 for any free port")
+
+
+def connect_address(host: str, port: int) -> str:
+    """Where a local client reaches a server bound to host:port (wildcard hosts → loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "::1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"

@@ -1,0 +1,281 @@
+"""`specdec serve drafter|verifier|orchestrator`: one service in the foreground (what `up` runs).
+
+`serve drafter` and `serve verifier` are one command made twice (`_engine_command`): they differ
+only in the engine, the default model and the default port. All three end the same way
+(`_announce_and_serve`): ready file, one line on stderr, serve until SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from orchestrator import processes
+from orchestrator.processes import (
+    DEFAULT_DRAFTER_PORT,
+    DEFAULT_HOST,
+    DEFAULT_ORCHESTRATOR_PORT,
+    DEFAULT_VERIFIER_PORT,
+    ProcessError,
+)
+from specdec.cli.common import (
+    CliError,
+    describe_error,
+    err,
+    exit_now,
+    fail,
+    orchestrator_config,
+    quiet_transformers,
+    resolve_model,
+    setup_logging,
+)
+from specdec.cli.observability import (
+    MetricsHostOpt,
+    MetricsPortOpt,
+    Observability,
+    ObservabilityOptions,
+    OtlpEndpointOpt,
+    TraceFileOpt,
+)
+from specdec.cli.options import (
+    CoresOpt,
+    DeviceOpt,
+    DtypeOpt,
+    HostOpt,
+    LogLevelOpt,
+    MaxMessageOpt,
+    MaxSessionsOpt,
+    ModelOpt,
+    PortOpt,
+    ReadyFileOpt,
+    SessionTtlOpt,
+    ThreadsOpt,
+    check_port_free,
+    connect_address,
+    parse_cores,
+)
+from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
+from specdec.methods import METHOD_NAMES
+
+serve_app = typer.Typer(help="Run one service in the foreground (`specdec up` starts all three for you).",
+                        no_args_is_help=True)
+
+
+async def _announce_and_serve(server: Any, bound: int, *, role: str, host: str, serving: str,
+                              ready_file: Path | None, obs: Observability, **ready: Any) -> None:
+    """Write the ready file, say where the service listens, then serve until SIGINT / SIGTERM."""
+    from specdec.rpc.grpc_support import serve_until_signal
+
+    if ready_file is not None:
+        processes.write_ready_file(ready_file, {"address": connect_address(host, bound), "host": host,
+                                                "port": bound, "pid": os.getpid(), "role": role, **ready,
+                                                **obs.ready_info()})
+    err.print(f"{role} serving {serving} on {connect_address(host, bound)}")
+    if obs.metrics_server is not None:
+        err.print(f"{role} metrics on {obs.metrics_server.url}")
+    await serve_until_signal(server)
+
+
+# ============================================================================== drafter, verifier
+
+
+def _engine_and_server(role: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The engine class and the start_*_server function of `role` (drafter | verifier)."""
+    if role == "drafter":
+        from drafter_service.server import start_drafter_server
+        from specdec.engine.drafter import DrafterEngine
+
+        return DrafterEngine, start_drafter_server
+    from specdec.engine.verifier import VerifierEngine
+    from verifier_service.server import start_verifier_server
+
+    return VerifierEngine, start_verifier_server
+
+
+def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dtype: str,
+                 threads: int | None, cores: str | None, max_message_mb: float, max_sessions: int,
+                 session_ttl: float, ready_file: Path | None, log_level: str,
+                 observability: ObservabilityOptions) -> None:
+    """Load the model, build the engine and serve it (role: drafter | verifier) until a signal."""
+    setup_logging(log_level)
+    core_list = parse_cores(cores, "--cores")
+    check_port_free(host, port, "--port")
+    try:
+        if core_list is not None:
+            processes.pin_current_process(core_list)  # before torch starts its thread pool
+            threads = threads or len(core_list)
+        path = resolve_model(model, role)
+        from specdec.engine.sessions import SessionConfig
+        from specdec.runtime.loading import load_model
+
+        quiet_transformers()
+        with err.status(f"loading {role} model {path} …"):
+            loaded = load_model(path, device=device, dtype=dtype, threads=threads)
+        engine_class, start_server = _engine_and_server(role)
+        engine = engine_class(loaded, SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl))
+        obs = observability.setup(role)
+        obs.watch_engine(engine)
+    except CliError as exc:
+        raise fail(str(exc)) from None
+    except (ProcessError, ValueError, OSError, RuntimeError, AssertionError) as exc:  # e.g. no such device
+        raise fail(f"{role}: {exc}") from None
+
+    async def main() -> None:
+        server, bound = await start_server(engine, host, port, max_message_mb=max_message_mb,
+                                           interceptors=obs.server_interceptors,
+                                           observers=obs.service_observers)
+        info = loaded.info
+        await _announce_and_serve(
+            server, bound, role=role, host=host, ready_file=ready_file, obs=obs,
+            serving=f"{escape(info.model_id)} (vocab {info.vocab_size}, {info.device})",
+            model_id=info.model_id, vocab_size=info.vocab_size)
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:  # port in use
+        raise fail(f"{role}: {exc}") from None
+    finally:
+        obs.shutdown()  # flush spans, stop /metrics
+    exit_now(0)
+
+
+def _engine_command(role: str, default_model: str, default_port: int, summary: str) -> Callable[..., None]:
+    """The `serve ROLE` command of an engine service: the same options, its own defaults."""
+
+    def command(
+        model: ModelOpt = default_model,
+        host: HostOpt = DEFAULT_HOST,
+        port: PortOpt = default_port,
+        device: DeviceOpt = "cpu",
+        dtype: DtypeOpt = "float32",
+        threads: ThreadsOpt = None,
+        cores: CoresOpt = None,
+        max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
+        max_sessions: MaxSessionsOpt = 16,
+        session_ttl: SessionTtlOpt = 600.0,
+        ready_file: ReadyFileOpt = None,
+        log_level: LogLevelOpt = "info",
+        trace_file: TraceFileOpt = None,
+        otlp_endpoint: OtlpEndpointOpt = None,
+        metrics_port: MetricsPortOpt = None,
+        metrics_host: MetricsHostOpt = "127.0.0.1",
+    ) -> None:
+        observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
+        serve_engine(role, model=model, host=host, port=port, device=device, dtype=dtype, threads=threads,
+                     cores=cores, max_message_mb=max_message_mb, max_sessions=max_sessions,
+                     session_ttl=session_ttl, ready_file=ready_file, log_level=log_level,
+                     observability=observability)
+
+    command.__name__ = command.__qualname__ = f"serve_{role}"
+    command.__doc__ = summary
+    return command
+
+
+serve_drafter = serve_app.command("drafter")(_engine_command(
+    "drafter", DEFAULT_DRAFT_MODEL, DEFAULT_DRAFTER_PORT,
+    "Serve the draft model (DrafterService + gRPC health) until Ctrl-C / SIGTERM."))
+serve_verifier = serve_app.command("verifier")(_engine_command(
+    "verifier", DEFAULT_TARGET_MODEL, DEFAULT_VERIFIER_PORT,
+    "Serve the target model (VerifierService + gRPC health) until Ctrl-C / SIGTERM."))
+
+
+# ================================================================================== orchestrator
+
+
+@serve_app.command("orchestrator")
+def serve_orchestrator(
+    drafter: Annotated[str, typer.Option("--drafter", help="Address of the drafter service.")] =
+        f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}",
+    verifier: Annotated[str, typer.Option("--verifier", help="Address of the verifier service.")] =
+        f"{DEFAULT_HOST}:{DEFAULT_VERIFIER_PORT}",
+    host: HostOpt = DEFAULT_HOST,
+    port: PortOpt = DEFAULT_ORCHESTRATOR_PORT,
+    max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
+    default_method: Annotated[str | None, typer.Option(
+        "--default-method", help=f"Method of requests that name none ({', '.join(METHOD_NAMES)}). "
+        "Default: $SPECDEC_DEFAULT_METHOD, else token.", show_default=False)] = None,
+    default_k: Annotated[int | None, typer.Option(
+        "--default-k", help="Draft length of requests without k. Default: $SPECDEC_DEFAULT_K, else 4.",
+        show_default=False)] = None,
+    default_a: Annotated[float | None, typer.Option(
+        "--default-a", help="RD drafting probability of requests without a. Default: $SPECDEC_DEFAULT_A, "
+        "else 0.5.", show_default=False)] = None,
+    store_url: Annotated[str | None, typer.Option(
+        "--store-url", help="redis://host:port/db keeps requests and calibration in Redis. "
+        "Default: $SPECDEC_STORE_URL, else in memory.", show_default=False)] = None,
+    peer_timeout: Annotated[float, typer.Option(
+        "--peer-timeout", help="Seconds to wait at startup for the verifier to answer.")] = 60.0,
+    ready_file: ReadyFileOpt = None,
+    log_level: LogLevelOpt = "info",
+    trace_file: TraceFileOpt = None,
+    otlp_endpoint: OtlpEndpointOpt = None,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "127.0.0.1",
+) -> None:
+    """Serve the public GenerationService over a drafter and a verifier until Ctrl-C / SIGTERM.
+
+    The model pair is checked at startup: if the drafter's vocabulary size or tokenizer differs
+    from the verifier's, the orchestrator refuses to start (exit code 1, the reason on stderr).
+    An unreachable drafter is no error: requests run target-only until it answers.
+    """
+    setup_logging(log_level)
+    try:
+        config = orchestrator_config(default_method, default_k, default_a, store_url)
+        check_port_free(host, port, "--port")
+        observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
+        obs = observability.setup("orchestrator")
+    except CliError as exc:
+        raise fail(str(exc)) from None
+
+    async def main() -> None:
+        from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
+        from orchestrator.server import start_orchestrator_server
+        from orchestrator.speculation import Orchestrator
+        from specdec.engine.api import PeerUnavailable
+
+        client_options = {"max_message_mb": max_message_mb, "interceptors": obs.client_interceptors}
+        orchestrator = Orchestrator(GrpcDrafterClient(drafter, **client_options),
+                                    GrpcVerifierClient(verifier, **client_options), config,
+                                    observer=obs.loop_observer)
+        try:
+            deadline = time.monotonic() + peer_timeout
+            while True:
+                try:
+                    await orchestrator.start()
+                    break
+                except PeerUnavailable:
+                    if time.monotonic() >= deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+            server, bound = await start_orchestrator_server(orchestrator, host, port,
+                                                            max_message_mb=max_message_mb,
+                                                            interceptors=obs.server_interceptors)
+            draft_id = orchestrator.draft_info.model_id if orchestrator.draft_info else "(drafter down)"
+            target_id = orchestrator.target_info.model_id
+            await _announce_and_serve(server, bound, role="orchestrator", host=host, ready_file=ready_file,
+                                      obs=obs, serving=f"{escape(draft_id)} → {escape(target_id)}",
+                                      drafter=drafter, verifier=verifier)
+        finally:
+            await orchestrator.close()
+
+    from specdec.engine.api import InvalidRequest
+
+    try:
+        try:
+            asyncio.run(main())
+        finally:
+            obs.shutdown()  # flush spans, stop /metrics
+        exit_now(0)
+    except InvalidRequest as exc:  # the pair is refused (vocabulary / tokenizer mismatch)
+        raise fail(f"orchestrator refuses to start: {exc}") from None
+    except OSError as exc:  # port in use
+        raise fail(f"orchestrator: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - e.g. verifier unreachable: one line, no traceback
+        raise fail(f"orchestrator: {describe_error(exc)}") from None

@@ -1,0 +1,234 @@
+"""`specdec up`: drafter, verifier and orchestrator as three supervised processes on this machine.
+
+Each child is `python -m specdec.cli serve ROLE ...` (orchestrator.processes starts, pins,
+health-waits, watches and stops them); this module only turns the options into their arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from orchestrator import processes
+from orchestrator.processes import (
+    DEFAULT_DRAFTER_PORT,
+    DEFAULT_HOST,
+    DEFAULT_ORCHESTRATOR_ADDRESS,
+    DEFAULT_ORCHESTRATOR_PORT,
+    DEFAULT_VERIFIER_PORT,
+    ProcessError,
+)
+from specdec.cli.common import CliError, err, fail, resolve_model
+from specdec.cli.observability import MetricsHostOpt, ObservabilityOptions, OtlpEndpointOpt, TraceFileOpt
+from specdec.cli.options import (
+    DtypeOpt,
+    MaxMessageOpt,
+    MaxSessionsOpt,
+    SessionTtlOpt,
+    check_port_free,
+    parse_cores,
+)
+from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
+
+
+def up(
+    draft: Annotated[str, typer.Option("--draft", help="Draft model: registry name or path.")] =
+        DEFAULT_DRAFT_MODEL,
+    target: Annotated[str, typer.Option("--target", help="Target model: registry name or path.")] =
+        DEFAULT_TARGET_MODEL,
+    host: Annotated[str, typer.Option("--host", help="Interface all three services listen on.")] =
+        DEFAULT_HOST,
+    port: Annotated[int, typer.Option("--port", help="Orchestrator port (0 = any free port).")] =
+        DEFAULT_ORCHESTRATOR_PORT,
+    drafter_port: Annotated[int, typer.Option("--drafter-port", help="Drafter port (0 = any free port).")] =
+        DEFAULT_DRAFTER_PORT,
+    verifier_port: Annotated[int, typer.Option("--verifier-port", help="Verifier port (0 = any free port).")]
+        = DEFAULT_VERIFIER_PORT,
+    drafter_cores: Annotated[str | None, typer.Option(
+        "--drafter-cores", help="Cores of the drafter, e.g. 0 or 0-1. Default: the first quarter of the "
+        "available cores (at least one).", show_default=False)] = None,
+    verifier_cores: Annotated[str | None, typer.Option(
+        "--verifier-cores", help="Cores of the verifier. Default: the other available cores.",
+        show_default=False)] = None,
+    no_pin: Annotated[bool, typer.Option("--no-pin", help="Do not pin drafter and verifier to cores.")] =
+        False,
+    drafter_device: Annotated[str, typer.Option("--drafter-device", help="torch device of the draft model.")]
+        = "cpu",
+    verifier_device: Annotated[str, typer.Option(
+        "--verifier-device", help="torch device of the target model.")] = "cpu",
+    dtype: DtypeOpt = "float32",
+    drafter_threads: Annotated[int | None, typer.Option(
+        "--drafter-threads", help="torch threads of the drafter. Default: its number of cores.",
+        show_default=False)] = None,
+    verifier_threads: Annotated[int | None, typer.Option(
+        "--verifier-threads", help="torch threads of the verifier. Default: its number of cores.",
+        show_default=False)] = None,
+    max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
+    max_sessions: MaxSessionsOpt = 16,
+    session_ttl: SessionTtlOpt = 600.0,
+    default_method: Annotated[str | None, typer.Option(
+        "--default-method", help="Method of requests that name none. Default: token.", show_default=False)]
+        = None,
+    default_k: Annotated[int | None, typer.Option(
+        "--default-k", help="Draft length of requests without k. Default: 4.", show_default=False)] = None,
+    store_url: Annotated[str | None, typer.Option(
+        "--store-url", help="redis://host:port/db for the orchestrator's store. Default: in memory.",
+        show_default=False)] = None,
+    startup_timeout: Annotated[float, typer.Option(
+        "--startup-timeout", help="Seconds each service may take to load and pass its health check.")] =
+        600.0,
+    drafter_restarts: Annotated[int, typer.Option(
+        "--drafter-restarts", min=0, help="Restart a drafter that dies this many times (meanwhile the "
+        "orchestrator generates target-only); 0 = a dead drafter stops everything.")] = 3,
+    ready_file: Annotated[Path | None, typer.Option(
+        "--ready-file", help="Once all three are healthy, write JSON {orchestrator, drafter, verifier, pids, "
+        "log_dir, pid} to this file; it is removed on shutdown.", show_default=False)] = None,
+    log_dir: Annotated[Path | None, typer.Option(
+        "--log-dir", help="Folder for the services' logs. Default: a new temporary folder.",
+        show_default=False)] = None,
+    trace_file: TraceFileOpt = None,
+    otlp_endpoint: OtlpEndpointOpt = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", help="Prometheus /metrics of the orchestrator on this port, the drafter on +1, the "
+        "verifier on +2 (0 = any free ports). Default: no metrics endpoints.", show_default=False)] = None,
+    metrics_host: MetricsHostOpt = "127.0.0.1",
+) -> None:
+    """Start drafter, verifier and orchestrator as three processes on this machine; stop them on Ctrl-C.
+
+    Drafter and verifier are pinned to different cores; each service must pass its gRPC health
+    check before the next step. Ctrl-C / SIGTERM stops all three. If the drafter dies, the
+    orchestrator goes on target-only (exact, slower) while the drafter is restarted on its port
+    (up to --drafter-restarts times); if the verifier or the orchestrator dies, the others are
+    stopped and the exit code is 1.
+    """
+    for option, value in (("--port", port), ("--drafter-port", drafter_port),
+                          ("--verifier-port", verifier_port)):
+        check_port_free(host, value, option)
+    try:
+        draft_path = resolve_model(draft, "draft")
+        target_path = resolve_model(target, "target")
+    except CliError as exc:
+        raise fail(str(exc)) from None
+    except KeyboardInterrupt:
+        raise fail("interrupted", 130) from None
+    d_cores = v_cores = None
+    if not no_pin:
+        d_default, v_default = processes.default_core_split()
+        d_cores = parse_cores(drafter_cores, "--drafter-cores") or d_default
+        v_cores = parse_cores(verifier_cores, "--verifier-cores") or v_default
+
+    observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
+    supervisor = processes.Supervisor(log_dir)
+    supervisor.install_signal_handlers()
+    common = ["--host", host, "--dtype", dtype, "--max-message-mb", str(max_message_mb),
+              "--max-sessions", str(max_sessions), "--session-ttl", str(session_ttl)]
+
+    def engine_child(role: str, model: Path, role_port: int, device: str, cores, threads) -> processes.Child:
+        args = [role, "--model", str(model), "--port", str(role_port), "--device", device, *common]
+        if cores is not None:
+            args += ["--cores", processes.format_cores(cores)]
+        if threads is not None:
+            args += ["--threads", str(threads)]
+        args += observability.child_args(role)
+        return supervisor.start(supervisor.child(role, args, cores))
+
+    exit_code = 0
+    try:
+        drafter = engine_child("drafter", draft_path, drafter_port, drafter_device, d_cores, drafter_threads)
+        verifier = engine_child("verifier", target_path, verifier_port, verifier_device, v_cores,
+                                verifier_threads)
+        with err.status("starting drafter and verifier (loading the models) …") as status:
+            for child in (drafter, verifier):
+                processes.wait_ready(child, startup_timeout, abort=supervisor.stop_requested)
+                err.print(f"[green]✓[/] {child.name} healthy on {child.address}")
+            status.update("starting the orchestrator …")
+            args = ["orchestrator", "--drafter", drafter.address, "--verifier", verifier.address,
+                    "--host", host, "--port", str(port), "--max-message-mb", str(max_message_mb)]
+            for flag, value in (("--default-method", default_method), ("--default-k", default_k),
+                                ("--store-url", store_url)):
+                if value is not None:
+                    args += [flag, str(value)]
+            args += observability.child_args("orchestrator")
+            orch = supervisor.start(supervisor.child("orchestrator", args))
+            processes.wait_ready(orch, startup_timeout, abort=supervisor.stop_requested)
+            err.print(f"[green]✓[/] orchestrator healthy on {orch.address}")
+        metrics = {c.name: c.info["metrics_url"] for c in supervisor.children if c.info.get("metrics_url")}
+        _print_pipeline(supervisor, {"drafter": draft, "verifier": target}, metrics, trace_file)
+        if ready_file is not None:
+            processes.write_ready_file(ready_file, {
+                "orchestrator": orch.address, "drafter": drafter.address, "verifier": verifier.address,
+                "log_dir": str(supervisor.log_dir), "pids": {c.name: c.pid for c in supervisor.children},
+                "pid": os.getpid(), "metrics": metrics,
+            })
+        dead = _watch_restarting_the_drafter(supervisor, drafter_restarts, startup_timeout)
+        if dead is not None:
+            err.print(f"[bold red]error:[/] {escape(processes.describe_exit(dead))}")
+            err.print("stopping the other services …")
+            exit_code = 1
+        else:
+            err.print("stopping …")
+    except ProcessError as exc:
+        if supervisor.stop_requested.is_set():
+            err.print("interrupted; stopping …")
+            exit_code = 130
+        else:
+            err.print(f"[bold red]error:[/] {escape(str(exc))}")
+            exit_code = 1
+    finally:
+        supervisor.stop()
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+    if exit_code == 0:
+        err.print("all services stopped")
+    raise typer.Exit(exit_code)
+
+
+def _watch_restarting_the_drafter(supervisor: processes.Supervisor, restarts: int,
+                                  startup_timeout: float) -> processes.Child | None:
+    """Watch the children; restart a dead drafter (the orchestrator runs target-only meanwhile).
+
+    Returns the child whose death ends `up` (a verifier, the orchestrator, or a drafter past its
+    restarts), or None when a stop was requested.
+    """
+    while True:
+        dead = supervisor.watch()
+        if dead is None or dead.name != "drafter" or restarts <= 0:
+            return dead
+        restarts -= 1
+        err.print(f"[yellow]warning:[/] {escape(processes.describe_exit(dead))}; the orchestrator "
+                  f"continues target-only; restarting the drafter ({restarts} restart(s) left) …")
+        drafter = supervisor.restart(dead)
+        try:
+            processes.wait_ready(drafter, startup_timeout, abort=supervisor.stop_requested)
+        except ProcessError as exc:
+            if supervisor.stop_requested.is_set():
+                return None
+            err.print(f"[yellow]warning:[/] the drafter did not come back: {escape(str(exc))}")
+            continue  # watch() reports it dead again and the count decides
+        err.print(f"[green]✓[/] drafter healthy again on {drafter.address}")
+
+
+def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str], metrics: dict[str, str],
+                    trace_file: Path | None) -> None:
+    table = Table(title="specdec pipeline")
+    for column in ("service", "address", "pid", "cores"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("model", overflow="fold")  # never cut a path short
+    for child in supervisor.children:
+        table.add_row(child.name, child.address or "?", str(child.pid), processes.format_cores(child.cores),
+                      models.get(child.name, ""))
+    err.print(table)
+    err.print(f"logs: {supervisor.log_dir}")
+    for name, url in metrics.items():
+        err.print(f"metrics of the {name}: {url}")
+    if trace_file is not None:
+        err.print(f"spans: {trace_file} (a timeline: specdec trace-report {trace_file})")
+    orch = supervisor.children[-1].address
+    flag = "" if orch == DEFAULT_ORCHESTRATOR_ADDRESS else f" --address {orch}"
+    err.print(f"try:  specdec generate{flag} \"def quicksort\"")
+    err.print("stop: Ctrl-C")

@@ -1,0 +1,206 @@
+"""Helpers shared by the orchestrator tests: fault-injecting client wrappers, plain-forward
+references (no KV cache, no engine) to compare the real code path with, and the statistics of
+the fidelity tests (exact enumeration of the target's law, chi-square p-values)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import torch
+from scipy.stats import chisquare
+
+from orchestrator.config import OrchestratorConfig
+from orchestrator.run import Run, new_run
+from orchestrator.speculation import Orchestrator
+from specdec.engine.api import ModelInfo, PeerUnavailable
+from specdec.generation import GenerationRequest
+from specdec.races import race, race_winner
+from specdec.sampling import SamplingParams, warp_logits
+
+# ------------------------------------------------------------------------------------------------
+# a run without services (unit tests of the loop's parts)
+
+TARGET_INFO = ModelInfo(model_id="target", vocab_size=6, tokenizer_fingerprint="f", max_context=128,
+                        eos_token_ids=(5,))
+
+
+def make_run(prompt_ids: list[int] | None = None, config: OrchestratorConfig | None = None, **request) -> Run:
+    """The run of GenerationRequest(**request) as the orchestrator would start it (method "token")."""
+    config = config or OrchestratorConfig(pipeline=False)
+    req = GenerationRequest(prompt_ids=list(prompt_ids or [1, 2, 3]), seed=request.pop("seed", 7), **request)
+    return new_run(req, method=req.method, prompt_ids=list(req.prompt_ids or []),
+                   rank_acceptance=list(config.rank_acceptance), config=config, target=TARGET_INFO)
+
+
+# ------------------------------------------------------------------------------------------------
+# fault-injecting client wrappers
+
+
+class FlakyDrafter:
+    """Raises PeerUnavailable on the drafter calls (draft, lookahead) whose 0-based number is in
+    `down_calls`."""
+
+    def __init__(self, inner, down_calls: set[int]) -> None:
+        self.inner = inner
+        self.address = "flaky-drafter"
+        self.down_calls = down_calls
+        self.calls = 0
+        self.refused = 0
+
+    async def info(self):
+        return await self.inner.info()
+
+    def _maybe_down(self) -> None:
+        number = self.calls
+        self.calls += 1
+        if number in self.down_calls:
+            self.refused += 1
+            raise PeerUnavailable(f"{self.address} is down (injected)")
+
+    async def draft(self, request):
+        self._maybe_down()
+        return await self.inner.draft(request)
+
+    async def lookahead(self, request):
+        self._maybe_down()
+        return await self.inner.lookahead(request)
+
+    async def release(self, session_id):
+        await self.inner.release(session_id)
+
+    async def close(self):
+        await self.inner.close()
+
+
+class ForgetfulClient:
+    """Releases the caller's session in the engine before every `every`-th call of `method`,
+    so the call meets SessionGone and the orchestrator has to resend the context."""
+
+    def __init__(self, inner, method: str, every: int) -> None:
+        self.inner = inner
+        self.address = f"forgetful-{inner.address}"
+        self.method = method
+        self.every = every
+        self.calls = 0
+        self.forgotten = 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name != self.method:
+            return attr
+
+        async def call(request):
+            self.calls += 1
+            if self.calls % self.every == 0:
+                if self.inner.engine.release(request.session_id):
+                    self.forgotten += 1
+            return await attr(request)
+
+        return call
+
+
+# ------------------------------------------------------------------------------------------------
+# plain-forward references (no KV cache, no engine)
+
+
+def target_rows(model, prefix: list[int], sampling: SamplingParams) -> torch.Tensor:
+    """Warped next-token rows after every prefix position of `prefix` (one plain forward)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix])).logits[0].float()
+    return warp_logits(logits, sampling)
+
+
+def race_reference(model, prompt: list[int], n: int, seed: int, sampling: SamplingParams) -> list[int]:
+    """Target-only decoding that emits argmin e_pos/P_pos at every position (docs/algorithms.md §4)."""
+    seq = list(prompt)
+    for _ in range(n):
+        row = target_rows(model, seq, sampling)[-1]
+        seq.append(race_winner(race(seed, len(seq), row.shape[-1]), row))
+    return seq[len(prompt):]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Hugging Face generate, greedy, EOS disabled (the plain target the cache must reproduce)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        # An explicit mask: otherwise generate treats prompt tokens equal to pad_token_id (0) as padding.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# fidelity statistics (test_fidelity.py, test_pipeline.py)
+
+PROMPT = [0, 3]
+LENGTH = 3
+CONCURRENCY = 4
+P_THRESHOLD = 1e-3
+
+
+def exact_distribution(model, prompt: list[int], sampling: SamplingParams, vocab: int) -> dict[tuple, float]:
+    """P(x1 x2 x3 | prompt) for every continuation, from one batched plain forward."""
+    pairs = list(itertools.product(range(vocab), repeat=LENGTH - 1))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + list(p) for p in pairs])).logits.double()
+    rows = warp_logits(logits, sampling)
+    n = len(prompt)
+    out: dict[tuple, float] = {}
+    for i, (a, b) in enumerate(pairs):
+        for c in range(vocab):
+            out[(a, b, c)] = float(rows[i, n - 1, a] * rows[i, n, b] * rows[i, n + 1, c])
+    return out
+
+
+async def sample(orch: Orchestrator, method: str, knobs: dict, sampling: SamplingParams,
+                 seeds) -> list[tuple]:
+    async def one(seed: int) -> tuple:
+        request = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=LENGTH, sampling=sampling, seed=seed,
+                                    method=method, stop_token_ids=[], **knobs)
+        result = await orch.generate(request)
+        assert len(result.token_ids) == LENGTH
+        return tuple(result.token_ids)
+
+    seeds = list(seeds)
+    out: list[tuple] = []
+    for start in range(0, len(seeds), CONCURRENCY):
+        out += await asyncio.gather(*(one(s) for s in seeds[start:start + CONCURRENCY]))
+    return out
+
+
+def p_values(samples: list[tuple], exact: dict[tuple, float]) -> tuple[float, float]:
+    """Chi-square p-values of the joint continuation and of the first token's marginal.
+
+    The joint test sees every kind of error; the first-token test spends its power on the
+    first emitted token (the verification step itself), where most rule errors show first.
+    """
+    first: dict[tuple, float] = {}
+    for key, p in exact.items():
+        first[key[:1]] = first.get(key[:1], 0.0) + p
+    return chi_square_p(samples, exact), chi_square_p([s[:1] for s in samples], first)
+
+
+def chi_square_p(samples: list[tuple], exact: dict[tuple, float]) -> float:
+    """Chi-square p-value; cells expected to hold fewer than 5 samples are pooled into one."""
+    n = len(samples)
+    counts: dict[tuple, int] = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    assert set(counts) <= set(exact), "a sample outside the support"
+    observed, expected, rest_obs, rest_exp = [], [], 0, 0.0
+    for key, p in exact.items():
+        if n * p >= 5:
+            observed.append(counts.get(key, 0))
+            expected.append(n * p)
+        else:
+            rest_obs += counts.get(key, 0)
+            rest_exp += n * p
+    if rest_exp > 0:
+        observed.append(rest_obs)
+        expected.append(rest_exp)
+    total = sum(expected)
+    expected = [e * n / total for e in expected]  # float rounding of the enumeration
+    return float(chisquare(observed, expected).pvalue)

@@ -1,0 +1,80 @@
+"""The layering holds: import-linter's contracts (pyproject.toml) pass on the tree, and they fail on a
+tree that breaks them; the core imports no I/O framework at run time either."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lint_imports(cwd: Path, extra_path: Path | None = None) -> subprocess.CompletedProcess[str]:
+    executable = shutil.which("lint-imports")
+    if executable is None:
+        pytest.fail("lint-imports is not installed (import-linter is in the dev extra)")
+    env = dict(os.environ)
+    if extra_path is not None:
+        env["PYTHONPATH"] = str(extra_path)
+    return subprocess.run(
+        [executable, "--no-cache", "--config", str(cwd / "pyproject.toml")],
+        cwd=cwd, capture_output=True, text=True, timeout=300, env=env,
+    )
+
+
+def test_import_contracts_are_kept() -> None:
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert re.search(r"Contracts: (\d+) kept, 0 broken", result.stdout), result.stdout[-2000:]
+
+
+def _fake_tree(root: Path, core_imports: str) -> None:
+    """The project's package names with one module each; the core module imports `core_imports`."""
+    for package, body in {
+        "specdec": "",
+        "specdec/cli": "import orchestrator\n",
+        "specdec/rpc": "import specdec.methods\n",
+        "orchestrator": "import drafter_service, verifier_service\n",
+        "drafter_service": "import specdec.rpc\n",
+        "verifier_service": "import specdec.rpc\n",
+    }.items():
+        (root / package).mkdir(parents=True, exist_ok=True)
+        (root / package / "__init__.py").write_text(body)
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    core = next(c for c in config["contracts"] if c.get("containers") == ["specdec"])["layers"][-1]
+    for name in (n.strip() for n in core.split(":")):
+        (root / "specdec" / f"{name}.py").write_text(core_imports if name == "methods" else "")
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+
+
+@pytest.mark.parametrize(
+    "violation", ["import orchestrator\n", "import specdec.rpc\n", "import grpc\n", "import bench\n"]
+)
+def test_contracts_catch_a_core_module_importing_upwards(tmp_path: Path, violation: str) -> None:
+    """A negative control: the same contracts on a tree whose core imports upwards must fail."""
+    _fake_tree(tmp_path, "")
+    assert _lint_imports(tmp_path, tmp_path).returncode == 0  # the clean fake tree passes
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    _fake_tree(tmp_path, violation)
+    result = _lint_imports(tmp_path, tmp_path)
+    assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout[-2000:]
+
+
+def test_core_imports_no_io_frameworks() -> None:
+    """Importing the core must not pull in grpc, redis or OpenTelemetry."""
+    code = (
+        "import sys, specdec, specdec.verification.dispatch, specdec.methods, specdec.theory, specdec.trees, "
+        "specdec.races, specdec.drafting, specdec.engine.api, specdec.generation\n"
+        "bad = [m for m in ('grpc', 'redis', 'opentelemetry') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
