@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.helpers import wait_for_ready_file
+
 ROOT = Path(__file__).resolve().parents[2]
 # Startup of one service imports torch + transformers; on a busy 2-core machine that alone can
 # take tens of seconds, so the bound is generous (it is only reached when something is broken).
@@ -99,16 +101,10 @@ class UpProcess:
         return self.stderr_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 3 * STARTUP_TIMEOUT_S) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready_file.exists():
-                with contextlib.suppress(json.JSONDecodeError):
-                    self.info = json.loads(self.ready_file.read_text())
-                    return self.info
-            if self.process.poll() is not None:
-                raise AssertionError(f"`specdec up` exited with {self.process.returncode}:\n{self.stderr()}")
-            time.sleep(0.2)
-        raise AssertionError(f"`specdec up` not ready within {timeout:.0f}s:\n{self.stderr()}")
+        self.info = wait_for_ready_file(
+            self.ready_file, self.process, "`specdec up`", self.stderr, timeout, poll_s=0.2
+        )
+        return self.info
 
     def wait_exit(self, timeout: float) -> int:
         try:

@@ -5,8 +5,6 @@ Every wait is bounded; every process started here is stopped in teardown.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -21,6 +19,8 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import wait_for_ready_file
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240.0  # importing torch on a busy 2-core machine can take tens of seconds
@@ -140,16 +140,8 @@ class Node:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.ready_file.exists():
-                with contextlib.suppress(json.JSONDecodeError):
-                    self.info = json.loads(self.ready_file.read_text())
-                    return self.info
-            if self.process.poll() is not None:
-                raise AssertionError(f"{self.role} exited with {self.process.returncode}:\n{self.log()}")
-            time.sleep(0.1)
-        raise AssertionError(f"{self.role} not ready within {timeout_s:.0f}s:\n{self.log()}")
+        self.info = wait_for_ready_file(self.ready_file, self.process, self.role, self.log, timeout_s)
+        return self.info
 
     @property
     def address(self) -> str:

@@ -1,0 +1,28 @@
+"""Helpers shared by several test folders (the per-folder ones live in tests/<folder>/helpers*.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def wait_for_ready_file(
+    ready_file: Path, process: subprocess.Popen, what: str, log: Callable[[], str], timeout_s: float,
+    poll_s: float = 0.1,
+) -> dict[str, Any]:
+    """The JSON a server writes once serving (--ready-file); fails with its log if the process
+    exits first or the file does not appear within `timeout_s` (a bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready_file.exists():
+            with contextlib.suppress(json.JSONDecodeError):
+                return json.loads(ready_file.read_text())
+        if process.poll() is not None:
+            raise AssertionError(f"{what} exited with {process.returncode}:\n{log()}")
+        time.sleep(poll_s)
+    raise AssertionError(f"{what} not ready within {timeout_s:.0f}s:\n{log()}")
