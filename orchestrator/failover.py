@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from orchestrator.clients.base import DrafterClient
 from orchestrator.config import OrchestratorConfig
-from specdec.calibration import load_calibration
+from specdec.calibration import calibration_path, load_calibration
 from specdec.engine.api import InvalidRequest, ModelInfo, PeerUnavailable
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,21 @@ def check_vocabulary(draft: ModelInfo, target: ModelInfo) -> None:
             f"tokenizer {draft.tokenizer_fingerprint[:12]}, verifier {target.model_id!r} has vocab_size "
             f"{target.vocab_size} and tokenizer {target.tokenizer_fingerprint[:12]}"
         )
+
+
+def describe_defaults(config: OrchestratorConfig, draft: ModelInfo | None, target: ModelInfo) -> str:
+    """Where the defaults of requests that set nothing come from, in one line a user can read on start:
+    the values, and whether the pair's saved calibration (its file) or the built-in settings gave them."""
+    values = (f"method {config.default_method}, k {config.default_k}, a {config.default_a:g}, "
+              f"pipeline {'on' if config.pipeline else 'off'}")
+    if draft is None:
+        return f"defaults: {values} (built-in; the drafter is not connected yet)"
+    path = calibration_path(draft.model_id, target.model_id)
+    if not config.use_calibration:
+        return f"defaults: {values} (built-in; calibration disabled)"
+    if load_calibration(draft.model_id, target.model_id) is None:
+        return f"defaults: {values} (built-in; no calibration at {path})"
+    return f"defaults: {values} (calibration {path}; settings given explicitly win)"
 
 
 def calibrated_config(config: OrchestratorConfig, draft: ModelInfo, target: ModelInfo) -> OrchestratorConfig:

@@ -13,6 +13,32 @@ DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b"  # names in specdec.models.REGISTRY
 DEFAULT_TARGET_MODEL = "qwen2.5-coder-1.5b"
 DEFAULT_MAX_MESSAGE_MB = 64.0  # gRPC send/receive limit of every channel and server
 
+# Weight precisions a model can be loaded in (specdec.runtime.loading). "int8": float32 weights
+# with every nn.Linear dynamically quantised to int8 per channel (CPU only). Each precision is its
+# own target model: the output is distributed exactly as the loaded precision's model.
+PRECISIONS = ("float32", "bfloat16", "float16", "int8")
+AUTO_PRECISION = "auto"  # the fast precision of the device (fast_precision)
+
+
+def fast_precision(device: str) -> str:
+    """The precision `--dtype auto` picks: int8 on a CPU (about 1.6x the speed of float32 for a
+    9-token target pass here, bench/results/precision.md), bfloat16 on a CUDA GPU, else float32."""
+    kind = device.split(":", 1)[0].strip().lower()
+    if kind == "cpu":
+        return "int8"
+    if kind == "cuda":
+        return "bfloat16"
+    return "float32"
+
+
+def resolve_precision(dtype: str, device: str) -> str:
+    """`dtype` itself, or the device's fast precision for "auto"; a ValueError naming the choices."""
+    if dtype == AUTO_PRECISION:
+        return fast_precision(device)
+    if dtype not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {', '.join((AUTO_PRECISION, *PRECISIONS))}, got {dtype!r}")
+    return dtype
+
 
 def specdec_home(home: Path | str | None = None) -> Path:
     """Root of everything specdec keeps on disk (models, converted caches, wheels, datasets,

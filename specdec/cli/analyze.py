@@ -115,10 +115,12 @@ def analyze(
         bool,
         typer.Option(
             "--save-calibration/--no-save-calibration",
-            help="Store the result as the pair's calibration ($SPECDEC_HOME/calibration/DRAFT__TARGET.json), "
-            "which the orchestrator uses as its defaults for the pair.",
+            help="Also store the result as the pair's calibration "
+            "($SPECDEC_HOME/calibration/DRAFT__TARGET.json), which the orchestrator then uses as its "
+            "defaults for the pair (it says so on start). Off unless asked: analysing never changes "
+            "how the service runs behind your back.",
         ),
-    ] = True,
+    ] = False,
     home: HomeOpt = None,
 ) -> None:
     """Measure a draft/target pair (acceptance, divergences, entropies, rank acceptance, forward times)

@@ -30,6 +30,8 @@ from specdec.cli.common import (
     resolve_model,
 )
 from specdec.cli.observability import ObservabilityOptions, OtlpEndpointOpt, TraceFileOpt
+from specdec.cli.options import DtypeOpt
+from specdec.defaults import AUTO_PRECISION
 from specdec.methods import METHOD_NAMES
 
 if TYPE_CHECKING:
@@ -44,7 +46,7 @@ class GenerateRun:
     draft: str | None = None  # in-process mode (both given): the models, loaded in this process
     target: str | None = None
     device: str = "cpu"  # in-process mode: torch device, dtype and CPU threads of both models
-    dtype: str = "float32"
+    dtype: str = AUTO_PRECISION
     threads: int | None = None
     timeout: float = 600.0  # server mode: seconds one request may take
     num_samples: int = 1
@@ -123,7 +125,7 @@ def generate(
         "--target", help="Target model of in-process mode; needs --draft.", show_default=False)] = None,
     device: Annotated[str, typer.Option("--device", help="In-process mode: torch device of both models.")] =
         "cpu",
-    dtype: Annotated[str, typer.Option("--dtype", help="In-process mode: weights dtype.")] = "float32",
+    dtype: DtypeOpt = AUTO_PRECISION,
     threads: Annotated[int | None, typer.Option(
         "--threads", help="In-process mode: torch CPU threads. Default: torch's default.",
         show_default=False)] = None,

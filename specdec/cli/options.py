@@ -13,14 +13,32 @@ import typer
 
 from orchestrator import processes
 from specdec.cli.common import fail
+from specdec.defaults import AUTO_PRECISION, PRECISIONS, resolve_precision
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Registry name or path (HF folder or .gguf).")]
 HostOpt = Annotated[str, typer.Option("--host", help="Interface to listen on.")]
 PortOpt = Annotated[int, typer.Option("--port", help="Port to listen on (0 = any free port).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="torch device of the model (cpu, cuda, mps).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help=(
-    "Weights precision: float32, bfloat16, float16, or int8 (every Linear dynamically quantised to "
-    "int8 per channel; CPU only; several times faster than float32 on CPUs without bf16 units)."))]
+PRECISION_CHOICES = (AUTO_PRECISION, *PRECISIONS)
+
+
+def _one_of(choices: tuple[str, ...]):
+    """A parse-time check (a usage error, exit 2, before any model loads) that a value is a choice."""
+
+    def check(value: str | None) -> str | None:
+        if value is not None and value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    return check
+
+
+DtypeOpt = Annotated[str, typer.Option("--dtype", callback=_one_of(PRECISION_CHOICES), help=(
+    "Weights precision: auto | float32 | bfloat16 | float16 | int8. auto: the device's fast "
+    "precision (int8 on a CPU, bfloat16 on a CUDA GPU, else float32). int8: every Linear "
+    "dynamically quantised to int8 per channel (CPU only; several times faster than float32 on "
+    "CPUs without bf16 units). The output is distributed exactly as the target model at the chosen "
+    "precision."))]
 ThreadsOpt = Annotated[int | None, typer.Option(
     "--threads", help="torch CPU threads. Default: the number of --cores, else torch's default.",
     show_default=False)]
@@ -60,3 +78,14 @@ def connect_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def precision_line(dtype: str, **devices: str) -> str:
+    """What `--dtype` means for each model, said on start: 'precision: int8 (auto on cpu) for …'."""
+    parts = []
+    for role, device in devices.items():
+        resolved = resolve_precision(dtype, device)
+        how = f"auto on {device}" if dtype == AUTO_PRECISION else "--dtype"
+        parts.append(f"{role} {resolved} ({how})")
+    return ("precision: " + ", ".join(parts) + "; the output is distributed exactly as the target model "
+            "at its precision (--dtype float32 for the float32 model)")

@@ -61,7 +61,7 @@ from specdec.cli.options import (
     connect_address,
     parse_cores,
 )
-from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
+from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
 from specdec.methods import METHOD_NAMES
 
 serve_app = typer.Typer(help="Run one service in the foreground (`specdec up` starts all three for you).",
@@ -154,7 +154,7 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         host: HostOpt = DEFAULT_HOST,
         port: PortOpt = default_port,
         device: DeviceOpt = "cpu",
-        dtype: DtypeOpt = "float32",
+        dtype: DtypeOpt = AUTO_PRECISION,
         threads: ThreadsOpt = None,
         cores: CoresOpt = None,
         max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
@@ -236,6 +236,7 @@ def serve_orchestrator(
 
     async def main() -> None:
         from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
+        from orchestrator.failover import describe_defaults
         from orchestrator.server import start_orchestrator_server
         from orchestrator.speculation import Orchestrator
         from specdec.engine.api import PeerUnavailable
@@ -259,9 +260,12 @@ def serve_orchestrator(
                                                             interceptors=obs.server_interceptors)
             draft_id = orchestrator.draft_info.model_id if orchestrator.draft_info else "(drafter down)"
             target_id = orchestrator.target_info.model_id
+            info = (orchestrator.draft_info, orchestrator.target_info)
+            defaults = describe_defaults(orchestrator.config, *info)
+            err.print(f"orchestrator {escape(defaults)}")
             await _announce_and_serve(server, bound, role="orchestrator", host=host, ready_file=ready_file,
                                       obs=obs, serving=f"{escape(draft_id)} → {escape(target_id)}",
-                                      drafter=drafter, verifier=verifier)
+                                      drafter=drafter, verifier=verifier, defaults=defaults)
         finally:
             await orchestrator.close()
 

@@ -32,8 +32,9 @@ from specdec.cli.options import (
     SessionTtlOpt,
     check_port_free,
     parse_cores,
+    precision_line,
 )
-from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
+from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
 
 
 def up(
@@ -61,7 +62,7 @@ def up(
         = "cpu",
     verifier_device: Annotated[str, typer.Option(
         "--verifier-device", help="torch device of the target model.")] = "cpu",
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = AUTO_PRECISION,
     drafter_threads: Annotated[int | None, typer.Option(
         "--drafter-threads", help="torch threads of the drafter. Default: its number of cores.",
         show_default=False)] = None,
@@ -122,6 +123,7 @@ def up(
         d_cores = parse_cores(drafter_cores, "--drafter-cores") or d_default
         v_cores = parse_cores(verifier_cores, "--verifier-cores") or v_default
 
+    err.print(precision_line(dtype, drafter=drafter_device, verifier=verifier_device))
     observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
     supervisor = processes.Supervisor(log_dir)
     supervisor.install_signal_handlers()
@@ -157,6 +159,8 @@ def up(
             orch = supervisor.start(supervisor.child("orchestrator", args))
             processes.wait_ready(orch, startup_timeout, abort=supervisor.stop_requested)
             err.print(f"[green]✓[/] orchestrator healthy on {orch.address}")
+            if orch.info.get("defaults"):
+                err.print(f"  {escape(orch.info['defaults'])}")
         metrics = {c.name: c.info["metrics_url"] for c in supervisor.children if c.info.get("metrics_url")}
         _print_pipeline(supervisor, {"drafter": draft, "verifier": target}, metrics, trace_file)
         if ready_file is not None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specdec.defaults import specdec_home
+from specdec.defaults import PRECISIONS, resolve_precision, specdec_home
 from specdec.engine.api import ModelInfo
 from specdec.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
@@ -37,7 +37,7 @@ DTYPES: dict[str, torch.dtype] = {
 # (AVX2) it makes a 1.5B target's one-token forward ~2.9x faster and a 9-token one ~5x faster
 # than float32; it changes the model's distribution, so compare against a baseline at int8 too.
 INT8 = "int8"
-PRECISIONS = (*DTYPES, INT8)
+assert set(PRECISIONS) == {*DTYPES, INT8}
 SOURCE_FILE = "specdec_source.json"  # written into converted directories: where they came from
 _HASH_CACHE_FILE = "hashes.json"
 _hash_lock = threading.Lock()
@@ -269,11 +269,13 @@ def load_model(
     home: Path | None = None,
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
-    """Load a model for the engines. `attn_implementation` must honour custom 4D masks (sdpa, eager)."""
+    """Load a model for the engines. `attn_implementation` must honour custom 4D masks (sdpa, eager).
+
+    `dtype` is one of specdec.defaults.PRECISIONS, or "auto" for the device's fast precision.
+    """
     from transformers import AutoModelForCausalLM
 
-    if dtype not in PRECISIONS:
-        raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
+    dtype = resolve_precision(dtype, device)
     if dtype == INT8 and torch.device(device).type != "cpu":
         raise ValueError(f"dtype int8 (dynamic quantisation) runs on the CPU only, not on {device!r}")
     if threads is not None:

@@ -182,11 +182,12 @@ def test_analyze_command_end_to_end(tiny_dirs, tmp_path) -> None:
     assert data["meta"]["prompt_set"] == "builtin"
     assert {p.name for p in out.glob("*.png")} == {"speedup_vs_k.png", "tps_vs_a.png", "tokens_vs_budget.png"}
     ids = (data["meta"]["draft_id"], data["meta"]["target_id"])
-    assert load_calibration(*ids, tmp_path) is not None
+    assert load_calibration(*ids, tmp_path) is None  # a calibration is written only when asked
 
-    result = CliRunner().invoke(_app(), [*args, "--json", "--no-save-calibration"], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(_app(), [*args, "--json", "--save-calibration"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["plan"]["sequence"]["best_k"] >= 1
+    assert load_calibration(*ids, tmp_path) is not None
 
 
 def test_analyze_command_reports_bad_input_in_one_line(tmp_path) -> None:

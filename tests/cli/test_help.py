@@ -140,3 +140,19 @@ def test_generate_with_a_missing_model_is_one_line(tmp_path) -> None:
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and "no such file or directory" in result.stderr
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("path", [["up"], ["serve", "drafter"], ["serve", "verifier"], ["generate", "p"]])
+def test_a_bad_dtype_is_a_usage_error_before_any_model_loads(path) -> None:
+    result = CliRunner().invoke(app, [*path, "--dtype", "int4"], env={"COLUMNS": "220"})
+    assert result.exit_code == 2, result.output
+    assert "is not one of auto, float32, bfloat16, float16, int8" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_precision_line_says_what_auto_picked() -> None:
+    from specdec.cli.options import precision_line
+
+    line = precision_line("auto", drafter="cpu", verifier="cuda:0")
+    assert line.startswith("precision: drafter int8 (auto on cpu), verifier bfloat16 (auto on cuda:0);")
+    assert "float32 (--dtype)" in precision_line("float32", verifier="cpu")

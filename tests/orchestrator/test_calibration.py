@@ -58,3 +58,22 @@ async def test_other_pairs_and_opt_out_keep_the_configured_defaults(tmp_path, mo
     assert opted_out.config.default_k == OrchestratorConfig().default_k
     await other.close()
     await opted_out.close()
+
+
+def test_describe_defaults_says_where_they_come_from(tmp_path, monkeypatch) -> None:
+    """What `serve orchestrator` / `up` print on start: the defaults and their source."""
+    from orchestrator.failover import calibrated_config, describe_defaults
+    from specdec.engine.api import ModelInfo
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    draft, target = ModelInfo("draft-x", 8, "f", 64), ModelInfo("target-y", 8, "f", 64)
+    config = OrchestratorConfig()
+    assert describe_defaults(config, None, target).endswith("(built-in; the drafter is not connected yet)")
+    line = describe_defaults(config, draft, target)
+    assert line.startswith("defaults: method token, k 4, a 0.5, pipeline on (built-in; no calibration at ")
+    assert str(tmp_path / "calibration") in line
+    save_calibration(calibration("draft-x", "target-y"), home=tmp_path)
+    line = describe_defaults(calibrated_config(config, draft, target), draft, target)
+    assert line.startswith("defaults: method token, k 3, a 0.8, pipeline on (calibration ")
+    opted_out = OrchestratorConfig(use_calibration=False)
+    assert "calibration disabled" in describe_defaults(opted_out, draft, target)

@@ -52,3 +52,4 @@ def test_vocabulary_check():
     for draft in (ModelInfo("d", 9, "abc", 64), ModelInfo("d", 8, "xyz", 64)):
         with pytest.raises(InvalidRequest, match="vocabulary mismatch"):
             check_vocabulary(draft, target)
+

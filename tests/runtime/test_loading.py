@@ -96,6 +96,12 @@ def test_hf_directory_info(tiny_dir):
     assert loaded.model.config._attn_implementation == "sdpa"
 
 
+def test_auto_precision_is_int8_on_a_cpu(tiny_dir):
+    loaded = load_model(tiny_dir, dtype="auto")
+    assert loaded.info.dtype == "int8"
+    assert any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in loaded.model.modules())
+
+
 def test_int8_quantises_every_linear_and_stays_close(tiny_dir):
     from specdec.engine.api import DraftRequest
     from specdec.engine.drafter import DrafterEngine
