@@ -15,8 +15,11 @@ class OrchestratorConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_", extra="ignore")
 
     default_method: str = "token"
-    # Draft length of sequence methods (token, block, ersd) and RD's k_max when a request gives no k.
-    default_k: int = Field(4, ge=1)
+    # Draft length of sequence methods (token, block, ersd) and RD's k_max when a request gives no k
+    # (and no calibration of the pair sets it). 2: the analyser's best k for the default int8 pair on
+    # both development CPUs, and measured faster than 4 through `specdec up` (7.8 vs 5.8 tok/s,
+    # bench/RESULTS.md "Where an iteration's time goes"; issue 15's table: 0.97x vs 0.72x plain HF).
+    default_k: int = Field(2, ge=1)
     # Node budget of gsd-tree when a request gives neither tree_budget nor k.
     default_tree_budget: int = Field(8, ge=1)
     # ERSD drafts a tree of this many nodes when set (and the request gives no tree_budget);

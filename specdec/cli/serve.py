@@ -202,7 +202,7 @@ def serve_orchestrator(
         "--default-method", help=f"Method of requests that name none ({', '.join(METHOD_NAMES)}). "
         "Default: $SPECDEC_DEFAULT_METHOD, else token.", show_default=False)] = None,
     default_k: Annotated[int | None, typer.Option(
-        "--default-k", help="Draft length of requests without k. Default: $SPECDEC_DEFAULT_K, else 4.",
+        "--default-k", help="Draft length of requests without k. Default: $SPECDEC_DEFAULT_K, else 2.",
         show_default=False)] = None,
     default_a: Annotated[float | None, typer.Option(
         "--default-a", help="RD drafting probability of requests without a. Default: $SPECDEC_DEFAULT_A, "

@@ -76,7 +76,7 @@ def up(
         "--default-method", help="Method of requests that name none. Default: token.", show_default=False)]
         = None,
     default_k: Annotated[int | None, typer.Option(
-        "--default-k", help="Draft length of requests without k. Default: 4.", show_default=False)] = None,
+        "--default-k", help="Draft length of requests without k. Default: 2.", show_default=False)] = None,
     store_url: Annotated[str | None, typer.Option(
         "--store-url", help="redis://host:port/db for the orchestrator's store. Default: in memory.",
         show_default=False)] = None,

@@ -25,8 +25,17 @@ class InfoOnly:
 
 def calibration(draft: str, target: str) -> Calibration:
     return Calibration(
-        draft_id=draft, target_id=target, sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0},
-        alpha=0.7, ersd_alpha=0.65, t_p=0.4, t_q=0.15, best_k=3, tree_budget=5, a=0.8, rd_k_max=3,
+        draft_id=draft,
+        target_id=target,
+        sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+        alpha=0.7,
+        ersd_alpha=0.65,
+        t_p=0.4,
+        t_q=0.15,
+        best_k=3,
+        tree_budget=5,
+        a=0.8,
+        rd_k_max=3,
         rank_acceptance=[0.7, 0.2],
     )
 
@@ -70,7 +79,10 @@ def test_describe_defaults_says_where_they_come_from(tmp_path, monkeypatch) -> N
     config = OrchestratorConfig()
     assert describe_defaults(config, None, target).endswith("(built-in; the drafter is not connected yet)")
     line = describe_defaults(config, draft, target)
-    assert line.startswith("defaults: method token, k 4, a 0.5, pipeline on (built-in; no calibration at ")
+    built_in = (
+        f"defaults: method token, k {config.default_k}, a 0.5, pipeline on (built-in; no calibration at "
+    )
+    assert line.startswith(built_in)
     assert str(tmp_path / "calibration") in line
     save_calibration(calibration("draft-x", "target-y"), home=tmp_path)
     line = describe_defaults(calibrated_config(config, draft, target), draft, target)
