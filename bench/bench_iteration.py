@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from bench.machine import cpu_model
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,15 +60,7 @@ CALLS = {  # loop span → (client rpc names, engine span names)
 
 
 def machine() -> str:
-    model = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def prompts(count: int) -> list[str]:

@@ -160,15 +160,11 @@ def building_blocks(vocab: int, repeats: int) -> list[str]:
 
 
 def machine_description() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import os
+
+    from bench.machine import cpu_model
+
+    model = cpu_model()
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
