@@ -247,9 +247,10 @@ def rows_cost(vocab: int, k: int, repeats: int = 20) -> dict[str, float]:
     from specdec.engine.api import DraftResult
     from specdec.rpc import convert
     from specdec.rpc.v1 import drafter_pb2
+    from specdec.trees import sequence_parents
 
     probs = torch.softmax(torch.randn(k + 1, vocab), dim=-1)
-    result = DraftResult(tokens=list(range(k)), parents=list(range(-1, k - 1)), draft_probs=probs)
+    result = DraftResult(tokens=list(range(k)), parents=sequence_parents(k), draft_probs=probs)
     times: dict[str, list[float]] = defaultdict(list)
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -30,7 +30,7 @@ from specdec.drafting import select_children  # noqa: E402
 from specdec.methods import get_method  # noqa: E402
 from specdec.races import race  # noqa: E402
 from specdec.randomness import TorchRandomSource  # noqa: E402
-from specdec.trees import DraftTree, optimal_tree_shape  # noqa: E402
+from specdec.trees import DraftTree, optimal_tree_shape, sequence_parents  # noqa: E402
 from specdec.verification.base import MethodParams  # noqa: E402
 from specdec.verification.dispatch import verify  # noqa: E402
 
@@ -77,7 +77,7 @@ def fill_tree(
 def build_cases(vocab: int, k: int, budget: int, seed: int, scale: float, noise: float) -> list[Case]:
     generator = torch.Generator().manual_seed(seed)
     source = TorchRandomSource.from_seed(seed, "bench-draft")
-    sequence = list(range(-1, k - 1))
+    sequence = sequence_parents(k)
     tree_shape = optimal_tree_shape([0.6, 0.2, 0.1], budget)
     cases: list[Case] = []
 

@@ -62,7 +62,7 @@ from orchestrator.accounting import bump_at
 from orchestrator.failover import DrafterDown
 from orchestrator.sessions import draft_rows
 from specdec.engine.api import DraftResult, PeerUnavailable, VerifyOutcome
-from specdec.trees import DraftTree
+from specdec.trees import DraftTree, sequence_parents
 
 if TYPE_CHECKING:
     from orchestrator.run import Run, Timeline
@@ -214,7 +214,7 @@ async def predraft(
         return predrafts
     first = predrafts[0]
     steps = [first.draft]
-    one = scheduling.sequence_shape(1)
+    one = sequence_parents(1)
     while len(steps) < k and len(steps[-1].tokens) == 1 and not (grow_until.is_set() or abandon.is_set()):
         grown = first.context + [step.tokens[0] for step in steps]
         steps.append(await sessions.draft(grown, shape=one, timeline=timeline))
@@ -235,7 +235,7 @@ def chain(steps: Sequence[DraftResult], *, want_rows: bool) -> DraftResult:
         probs = torch.cat(first_rows + [torch.zeros_like(first_rows[0])])  # the leaf row stays zero
     return DraftResult(
         tokens=tokens,
-        parents=list(range(-1, len(tokens) - 1)),
+        parents=sequence_parents(len(tokens)),
         draft_probs=probs,
         forward_seconds=sum(step.forward_seconds for step in steps),
     )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from orchestrator.config import OrchestratorConfig
 from specdec.methods import get_method
 from specdec.randomness import TorchRandomSource
-from specdec.trees import optimal_tree_shape
+from specdec.trees import optimal_tree_shape, sequence_parents
 from specdec.verification.base import MethodParams
 from specdec.verification.rd import leading_heads
 
@@ -45,12 +45,12 @@ def plan_iteration(run: Run, position: int, depth_cap: int) -> Plan | None:
         k_max = min(run.k, depth_cap)
         heads = rd_leading_heads(run.a, k_max, run.seed, position)
         rd_params = MethodParams(a=run.a, k_max=k_max, seed=run.seed, position=position)
-        return Plan(sequence_shape(heads), run.k, rd_params, heads=heads,
+        return Plan(sequence_parents(heads), run.k, rd_params, heads=heads,
                     pipelined=run.pipeline and spec.pipelinable and heads == k_max)
     if run.tree_budget is not None:  # gsd-tree, or ersd with a tree budget
         shape = cap_depth(optimal_tree_shape(run.rank_acceptance, run.tree_budget), depth_cap)
         return Plan(shape, run.tree_budget, params)
-    return Plan(sequence_shape(min(run.k, depth_cap)), run.k, params,
+    return Plan(sequence_parents(min(run.k, depth_cap)), run.k, params,
                 pipelined=run.pipeline and spec.pipelinable)
 
 
@@ -59,11 +59,6 @@ def depth_cap(committed_len: int, max_contexts: Iterable[int]) -> int:
     after it."""
     caps = [1 << 30] + [limit - committed_len - 1 for limit in max_contexts if limit]
     return max(0, min(caps))
-
-
-def sequence_shape(k: int) -> list[int]:
-    """Parent indices of a path of k draft tokens."""
-    return list(range(-1, k - 1))
 
 
 def default_k(method: str, config: OrchestratorConfig) -> int:

@@ -35,7 +35,7 @@ import torch
 from specdec import theory
 from specdec.randomness import TorchRandomSource, make_generator
 from specdec.sampling import SamplingParams, warp_logits
-from specdec.trees import DraftTree, max_depth, node_depths, optimal_tree_shape
+from specdec.trees import DraftTree, max_depth, node_depths, optimal_tree_shape, sequence_parents
 from specdec.verification.base import MethodParams
 from specdec.verification.dispatch import verify
 
@@ -233,7 +233,7 @@ def _time_model(
         samples = []
         for r in range(warmup + repeats):
             began = time.perf_counter()
-            kv.extend(tokens, list(range(-1, n - 1)), rows_from=0)  # every row projected, as in scoring
+            kv.extend(tokens, sequence_parents(n), rows_from=0)  # every row projected, as in scoring
             elapsed = time.perf_counter() - began
             kv.truncate(base)
             if r >= warmup:

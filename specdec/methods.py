@@ -65,8 +65,7 @@ class Method:
     needs_draft_rows: bool = False
     needs_random_source: bool = False
     draft_strategy: DraftStrategy | None = None
-    draft_shapes: frozenset[DraftShape] = frozenset()  # the first-listed shape is the default
-    default_shape: DraftShape | None = None
+    draft_shapes: frozenset[DraftShape] = frozenset()  # ersd: a tree only when a budget is asked for
     pipelinable: bool = False  # its sequence iterations can be pre-drafted during verification
     adaptive_length: bool = False  # its pre-drafts may grow until the verifier answers (glossary)
     coins: bool = False  # randomised drafting: takes `a`; coins fix each iteration's draft length
@@ -119,7 +118,6 @@ METHODS: dict[str, Method] = {
             needs_random_source=True,
             draft_strategy="sample",
             draft_shapes=frozenset({"sequence"}),
-            default_shape="sequence",
             pipelinable=True,
             adaptive_length=True,
         ),
@@ -131,7 +129,6 @@ METHODS: dict[str, Method] = {
             needs_random_source=True,
             draft_strategy="sample",
             draft_shapes=frozenset({"sequence"}),
-            default_shape="sequence",
             pipelinable=True,
         ),
         Method(
@@ -141,7 +138,6 @@ METHODS: dict[str, Method] = {
             rule="specdec.verification.ersd:verify_ersd",
             draft_strategy="race",
             draft_shapes=frozenset({"sequence", "tree"}),
-            default_shape="sequence",
             pipelinable=True,
             adaptive_length=True,
         ),
@@ -153,7 +149,6 @@ METHODS: dict[str, Method] = {
             needs_random_source=True,
             draft_strategy="sample",
             draft_shapes=frozenset({"tree"}),
-            default_shape="tree",
             k_is_tree_budget=True,
         ),
         Method(
@@ -165,7 +160,6 @@ METHODS: dict[str, Method] = {
             needs_random_source=True,
             draft_strategy="sample",
             draft_shapes=frozenset({"sequence"}),
-            default_shape="sequence",
             pipelinable=True,
             coins=True,
             empty_draft_needs_rows=True,

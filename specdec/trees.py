@@ -54,7 +54,7 @@ class DraftTree:
     # construction -------------------------------------------------------------------------
     @classmethod
     def sequence(cls, tokens: Sequence[int]) -> DraftTree:
-        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+        return cls(tuple(tokens), tuple(sequence_parents(len(tokens))))
 
     @classmethod
     def star(cls, tokens: Sequence[int]) -> DraftTree:
@@ -116,6 +116,11 @@ class DraftTree:
     def position_ids(self, prefix_len: int) -> torch.Tensor:
         """Long [n]: prefix_len + depth - 1 for every node."""
         return torch.tensor([prefix_len + d - 1 for d in self._depths], dtype=torch.long)
+
+
+def sequence_parents(length: int) -> list[int]:
+    """Parent indices of a path of `length` nodes: [-1, 0, 1, …] (each node's parent is the one before)."""
+    return list(range(-1, length - 1))
 
 
 def node_depths(parents: Sequence[int]) -> list[int]:

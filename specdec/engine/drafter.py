@@ -44,7 +44,7 @@ from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import prepare
 from specdec.sampling import SamplingParams, warp_logits
-from specdec.trees import max_depth
+from specdec.trees import max_depth, sequence_parents
 
 MAX_TREE_NODES = 1024
 MAX_LOOKAHEAD_GUESSES = 16
@@ -233,7 +233,7 @@ class DrafterEngine:
         if with_previous:
             pending = pending + [context[-1]]
         n_pending = len(pending)
-        logits = forward(pending, list(range(-1, n_pending - 1)), n_pending - (2 if with_previous else 1))
+        logits = forward(pending, sequence_parents(n_pending), n_pending - (2 if with_previous else 1))
         last = n_pending - 1
 
         races: dict[int, torch.Tensor] = {}  # by position: bonus branches share theirs
@@ -299,7 +299,7 @@ class DrafterEngine:
                 probs = torch.zeros((len(tokens) + 1, vocab), dtype=torch.float32)
                 for i, row in enumerate(branch_rows):
                     probs[i] = row.to(torch.float32).cpu()
-            draft = DraftResult(tokens=tokens, parents=list(range(-1, len(tokens) - 1)), draft_probs=probs)
+            draft = DraftResult(tokens=tokens, parents=sequence_parents(len(tokens)), draft_probs=probs)
             branches.append(LookaheadBranch(replaces_last=replaces_last, token=token, draft=draft))
         return LookaheadResult(branches=branches, forward_seconds=forward_seconds, reused_tokens=reused)
 

@@ -39,6 +39,7 @@ from specdec.generation import (
 )
 from specdec.rpc.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2
 from specdec.sampling import SamplingParams
+from specdec.trees import sequence_parents
 from specdec.verification.base import MethodParams
 
 UINT64_MAX = 2**64 - 1
@@ -269,7 +270,7 @@ def lookahead_result_from_proto(msg: drafter_pb2.LookaheadResult) -> LookaheadRe
                     f"branches[{i}].draft_rows must be [{len(tokens)}, V], got {list(rows.shape)}"
                 )
             probs = torch.cat([rows, rows.new_zeros((1, rows.shape[1]))])
-        draft = DraftResult(tokens=tokens, parents=list(range(-1, len(tokens) - 1)), draft_probs=probs)
+        draft = DraftResult(tokens=tokens, parents=sequence_parents(len(tokens)), draft_probs=probs)
         branches.append(LookaheadBranch(replaces_last=entry.replaces_last, token=entry.token, draft=draft))
     return LookaheadResult(branches=branches, forward_seconds=msg.forward_seconds,
                            reused_tokens=msg.reused_tokens)

@@ -21,6 +21,8 @@ from contextlib import nullcontext
 
 import torch
 
+from specdec.trees import sequence_parents
+
 
 class CacheError(RuntimeError):
     """Inconsistent use of the cache (a bug in the caller, not a bad request)."""
@@ -222,4 +224,4 @@ class TreeKVCache:
         if self.block_len:
             raise CacheError("extend_chain needs an empty block")
         n = len(tokens)
-        return self.extend(tokens, list(range(-1, n - 1)), n - 1 if rows_from is None else rows_from)
+        return self.extend(tokens, sequence_parents(n), n - 1 if rows_from is None else rows_from)

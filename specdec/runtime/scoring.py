@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.runtime.kv import TreeKVCache
-from specdec.trees import DraftTree
+from specdec.trees import DraftTree, sequence_parents
 
 
 @dataclass
@@ -52,7 +52,7 @@ def prepare(
 
 def tree_block(pending_len: int, tree: DraftTree) -> list[int]:
     """Block parents for `pending` (a chain) followed by the tree's nodes (hanging off its end)."""
-    parents = list(range(-1, pending_len - 1))
+    parents = sequence_parents(pending_len)
     parents += [pending_len - 1 if p < 0 else pending_len + p for p in tree.parents]
     return parents
 

@@ -84,17 +84,13 @@ def check_rows(tree: DraftTree, rows: object, name: str, vocab: int | None = Non
     """
     if rows is None:
         raise VerificationError(f"{name} distributions are required by this method")
-    want = f"[{len(tree) + 1}, {'V' if vocab is None else vocab}]"
-    if not isinstance(rows, torch.Tensor):
-        got = type(rows).__name__
-    elif rows.dim() != 2 or rows.shape[0] != len(tree) + 1:
-        got = str(tuple(rows.shape))
-    elif vocab is not None and rows.shape[1] != vocab:
-        raise VerificationError(f"{name} vocabulary {int(rows.shape[1])} differs from the target's {vocab}")
-    else:
-        got = ""
-    if got:
+    shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else None
+    if shape is None or len(shape) != 2 or shape[0] != len(tree) + 1:
+        want = f"[{len(tree) + 1}, {'V' if vocab is None else vocab}]"
+        got = type(rows).__name__ if shape is None else str(shape)
         raise VerificationError(f"{name} distributions must have shape [n + 1, V] = {want}, got {got}")
+    if vocab is not None and shape[1] != vocab:
+        raise VerificationError(f"{name} vocabulary {shape[1]} differs from the target's {vocab}")
     if not rows.is_floating_point():
         raise VerificationError(f"{name} distributions must be floating point, got {rows.dtype}")
     return rows

@@ -11,7 +11,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.trees import DraftTree, DraftTreeError, expected_accepted, optimal_tree_shape
+from specdec.trees import (
+    DraftTree,
+    DraftTreeError,
+    expected_accepted,
+    max_depth,
+    node_depths,
+    optimal_tree_shape,
+    sequence_parents,
+)
 
 SETTINGS = settings(max_examples=100, deadline=None)
 
@@ -227,3 +235,11 @@ def test_optimal_shape_with_non_monotone_rates():
     rates = (0.3, 0.8, 0.3)
     greedy = expected_accepted(optimal_tree_shape(rates, 4), rates)
     assert greedy == pytest.approx(_brute_force_best(rates, 4))
+
+
+def test_parent_list_helpers() -> None:
+    assert sequence_parents(0) == [] and sequence_parents(3) == [-1, 0, 1]
+    assert DraftTree.sequence([5, 6, 7]).parents == tuple(sequence_parents(3))
+    parents = [-1, -1, 0, 2, 1]
+    assert node_depths(parents) == [1, 1, 2, 3, 2]
+    assert max_depth(parents) == 3 and max_depth([]) == 0

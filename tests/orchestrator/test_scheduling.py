@@ -6,13 +6,8 @@ import pytest
 
 from orchestrator import scheduling
 from orchestrator.config import OrchestratorConfig
-from specdec.trees import DraftTree, max_depth, optimal_tree_shape
+from specdec.trees import DraftTree, max_depth, optimal_tree_shape, sequence_parents
 from tests.orchestrator.helpers import make_run
-
-
-def test_sequence_shape():
-    assert scheduling.sequence_shape(0) == []
-    assert scheduling.sequence_shape(3) == [-1, 0, 1]
 
 
 def test_cap_depth_drops_deep_nodes_and_renumbers():
@@ -106,7 +101,7 @@ def test_plan_of_rd_follows_its_coins():
         run = make_run(method="rd", k=3, a=0.5, seed=seed, config=config)
         plan = scheduling.plan_iteration(run, 5, depth_cap=2)
         heads = scheduling.rd_leading_heads(0.5, 2, seed, 5)  # k_max = min(k, depth cap)
-        assert (plan.heads, plan.shape, plan.k) == (heads, scheduling.sequence_shape(heads), 3)
+        assert (plan.heads, plan.shape, plan.k) == (heads, sequence_parents(heads), 3)
         assert (plan.params.a, plan.params.k_max) == (0.5, 2)
         assert plan.pipelined == (heads == 2)
 
