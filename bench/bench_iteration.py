@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import cpu_model
+from orchestrator.intervals import covered
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,18 +162,6 @@ def seconds(span: dict) -> float:
     return (span["end_ns"] - span["start_ns"]) / 1e9
 
 
-def union(intervals: list[tuple[int, int]]) -> int:
-    total, end = 0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
-
-
 def breakdown(spans: list[dict], request_k: dict[str, int]) -> dict[int, dict[str, Any]]:
     """Per k: mean seconds per call of each component, per call kind, and per-iteration figures."""
     children: dict[str | None, list[dict]] = defaultdict(list)
@@ -205,7 +194,7 @@ def breakdown(spans: list[dict], request_k: dict[str, int]) -> dict[int, dict[st
             # Clipped to the iteration: an abandoned look-ahead ends during the next one.
             lo, hi = span["start_ns"], span["end_ns"]
             busy = (
-                union([(max(lo, c["start_ns"]), min(hi, c["end_ns"])) for c in calls if c["start_ns"] < hi])
+                covered([(max(lo, c["start_ns"]), min(hi, c["end_ns"])) for c in calls if c["start_ns"] < hi])
                 / 1e9
             )
             it = out[k]["iterations"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_iteration import breakdown, union
+from bench.bench_iteration import breakdown
 
 MS = 1_000_000
 
@@ -19,11 +19,6 @@ def span(span_id, parent, name, start_ms, end_ms, kind="INTERNAL", **attributes)
         "end_ns": end_ms * MS,
         "attributes": attributes,
     }
-
-
-def test_union_of_overlapping_intervals() -> None:
-    assert union([(0, 10), (5, 20), (30, 40)]) == 30
-    assert union([]) == 0
 
 
 def test_one_iteration_split_along_its_nested_spans() -> None:
