@@ -71,7 +71,8 @@ def prompts(count: int) -> list[str]:
     return (code + PROSE)[:count]
 
 
-def start_up(trace: Path, ready: Path, log: Path, args: list[str]) -> subprocess.Popen:
+def start_up(trace: Path | None, ready: Path, log: Path, args: list[str]) -> subprocess.Popen:
+    """`specdec up` on free ports (spans to `trace` when given); returns once it is ready."""
     argv = [
         sys.executable,
         "-m",
@@ -85,8 +86,7 @@ def start_up(trace: Path, ready: Path, log: Path, args: list[str]) -> subprocess
         "0",
         "--ready-file",
         str(ready),
-        "--trace-file",
-        str(trace),
+        *(["--trace-file", str(trace)] if trace is not None else []),
         *args,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -5,10 +5,15 @@ Everything here is a default or a limit; a request may override method, k, tree 
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from specdec.methods import METHOD_NAMES
+
+DraftRowsMode = Literal["lean", "full"]
+DRAFT_ROWS_MODES: tuple[str, ...] = get_args(DraftRowsMode)
 
 
 class OrchestratorConfig(BaseSettings):
@@ -59,6 +64,15 @@ class OrchestratorConfig(BaseSettings):
     pipeline_bonus_guesses: int | None = Field(None, ge=1, le=16)
     pipeline_rejection_guesses: int = Field(0, ge=0, le=16)
 
+    # Online draft length (orchestrator.adaptation): requests that name neither k nor a seed get the
+    # k, down to 0 (target-only steps), that the measured acceptance and call times of this model
+    # pair say is fastest, re-picked as they run; default_k is where it starts. Sequence methods
+    # (token, block, ersd without a tree). Seeded requests keep default_k so they replay exactly.
+    adaptive_k: bool = True
+    # At k = 0, a speculative iteration after this many target-only steps of the pair (all requests)
+    # checks whether drafting pays again (each probe costs the drafter's catch-up over the context).
+    adaptive_probe_every: int = Field(64, ge=1)
+
     max_k: int = Field(16, ge=1)
     max_tree_budget: int = Field(64, ge=1)
     max_new_tokens_limit: int = Field(4096, ge=1)
@@ -68,6 +82,13 @@ class OrchestratorConfig(BaseSettings):
     # None: in-memory store; "redis://host:port/db": Redis.
     store_url: str | None = None
     request_ttl_seconds: int = Field(86400, ge=1)
+
+    # How Verify carries the draft rows (docs/algorithms.md §12). "lean": for the methods whose rule
+    # reads whole rows only on a rejection (token, rd, gsd-tree; the registry's `lean_rows`), each
+    # node's q(x̃) alone, and a row only when the verifier asks for it (one more round trip on a
+    # rejection) — instead of k + 1 rows of V float32 every iteration. Same tokens for a seeded
+    # request either way. "full": every row, every time.
+    draft_rows: DraftRowsMode = "lean"
 
     @field_validator("default_method")
     @classmethod

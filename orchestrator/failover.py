@@ -76,8 +76,10 @@ def check_vocabulary(draft: ModelInfo, target: ModelInfo) -> None:
 def describe_defaults(config: OrchestratorConfig, draft: ModelInfo | None, target: ModelInfo) -> str:
     """Where the defaults of requests that set nothing come from, in one line a user can read on start:
     the values, and whether the pair's saved calibration (its file) or the built-in settings gave them."""
-    values = (f"method {config.default_method}, k {config.default_k}, a {config.default_a:g}, "
-              f"pipeline {'on' if config.pipeline else 'off'}")
+    k = (f"k online from {config.default_k} (requests without k or seed)" if config.adaptive_k
+         else f"k {config.default_k}")
+    pipeline = "on" if config.pipeline else "off"
+    values = f"method {config.default_method}, {k}, a {config.default_a:g}, pipeline {pipeline}"
     if draft is None:
         return f"defaults: {values} (built-in; the drafter is not connected yet)"
     path = calibration_path(draft.model_id, target.model_id)

@@ -32,6 +32,7 @@ Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label r
   specdec_session_expirations_total{role}           the TTL part of the evictions
   specdec_sessions_created_total{role}, specdec_sessions_released_total{role}
   specdec_score_hits_total, specdec_late_scores_total   verifier: early scores used / too late
+  specdec_draft_rows_requests_total                 verifier: lean verifies that asked for draft rows
 and the process_* collector of prometheus-client. Each server serves its registry on /metrics
 (start_metrics_server). Nothing is recorded when no metrics object is installed.
 """
@@ -283,6 +284,8 @@ _SESSION_STATS = {
     "released": ("specdec_sessions_released", "Sessions released by their caller.", "counter"),
     "score_hits": ("specdec_score_hits", "Verifies that used the rows of an early Score call.", "counter"),
     "late_scores": ("specdec_late_scores", "Score calls ignored because their verify had run.", "counter"),
+    "draft_rows_requests": ("specdec_draft_rows_requests", "Lean verifies answered with draft_rows_needed "
+                            "(the orchestrator resends them with those rows).", "counter"),
 }
 
 

@@ -24,6 +24,7 @@ from specdec.methods import METHOD_NAMES, METHODS, Method, get_method
 from specdec.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from orchestrator.adaptation import DraftLength
     from orchestrator.pipeline import PreDraft
     from orchestrator.tracing import IterationProbe, RequestProbe
 
@@ -64,6 +65,8 @@ class Run:
     bonus_guesses: int | None = None  # None: automatic by block length (pipeline.bonus_guesses)
     rejection_guesses: int = 0
     predraft: PreDraft | None = None  # the next block, drafted while the last one was verified
+    adaptive: bool = False  # k is re-picked every iteration (orchestrator.adaptation)
+    draft_length: DraftLength | None = None  # the adaptive request's chooser (set on its first iteration)
 
     @property
     def committed(self) -> list[int]:
@@ -93,6 +96,7 @@ class Run:
             "pipeline_max_k": self.pipeline_max_k,
             "bonus_guesses": self.bonus_guesses,
             "rejection_guesses": self.rejection_guesses,
+            "adaptive": self.adaptive,
         }
 
     def to_record(self, status: str, error: str | None = None) -> RequestRecord:
@@ -133,6 +137,7 @@ class Run:
             pipeline_max_k=int(p.get("pipeline_max_k", 0)),
             bonus_guesses=p.get("bonus_guesses", 1),  # runs stored before guesses existed had one
             rejection_guesses=int(p.get("rejection_guesses", 0)),
+            adaptive=bool(p.get("adaptive", False)),
         )
 
     def result(self) -> GenerationResult:
@@ -222,7 +227,17 @@ def new_run(
         pipeline_max_k=min(config.max_k, _pick(request.pipeline_max_k, config.pipeline_max_k)),
         bonus_guesses=_pick(request.pipeline_bonus_guesses, config.pipeline_bonus_guesses),
         rejection_guesses=_pick(request.pipeline_rejection_guesses, config.pipeline_rejection_guesses),
+        adaptive=(config.adaptive_k and request.k is None and request.seed is None
+                  and request.tree_budget is None and adaptable(method, config)),
     )
+
+
+def adaptable(method: str, config: OrchestratorConfig) -> bool:
+    """Whether the method's draft length can be picked online: a plain sequence draft (token, block,
+    ersd without a tree budget); RD's coins and tree budgets have their own knobs."""
+    spec = get_method(method)
+    return (spec.speculative and spec.drafts_sequences and not spec.coins
+            and scheduling.tree_budget_for(method, None, None, config) is None)
 
 
 def _stop_ids(request: GenerationRequest, target: ModelInfo) -> Sequence[int]:

@@ -37,7 +37,7 @@ def plan_iteration(run: Run, position: int, depth_cap: int) -> Plan | None:
     """The draft of the iteration starting at `position`, or None for a target-only step (the
     method drafts nothing, or no draft fits the context windows)."""
     spec = run.spec
-    if not spec.speculative or depth_cap <= 0:
+    if not spec.speculative or depth_cap <= 0 or run.k <= 0:  # k = 0: chosen by adaptation
         return None
     params = MethodParams(seed=run.seed, position=position)
     if spec.coins:  # RD: the coins fix K; a full block (K = k_max) can be pipelined

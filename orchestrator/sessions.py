@@ -9,17 +9,24 @@ and both start so. After `verify` the verifier's mirror is committed + the emitt
 run's drafter calls never overtake each other (an abandoned pre-draft still in its call is
 waited for). The protocol decides only which KV entries are reused, never which tokens an engine
 conditions on (docs/algorithms.md §8, "Session protocol").
+
+Lean draft rows (docs/algorithms.md §12): in "lean" mode a verify of a method with `lean_rows`
+sends each node's q(x̃) and the rows known to be read (`rows_up_front`) instead of all rows; when
+the verifier answers draft_rows_needed (it then holds `committed` and nothing more), the same
+verify is resent with those rows added, as a call of its own on the timeline ("verify-rows").
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from orchestrator.clients.base import DrafterClient, VerifierClient
+from orchestrator.config import DraftRowsMode
 from orchestrator.failover import DrafterDown
 from specdec.engine.api import (
     DraftRequest,
@@ -33,6 +40,7 @@ from specdec.engine.api import (
     VerifyRequest,
 )
 from specdec.methods import get_method
+from specdec.verification.lean import token_probs
 
 if TYPE_CHECKING:
     import torch
@@ -91,12 +99,17 @@ class SessionMirror:
 class RunSessions:
     """One run's calls to its drafter and verifier sessions: mirrored, timed on the iteration's
     timeline, a lost drafter raised as DrafterDown. How the drafter drafts (strategy, whether it
-    returns its rows) follows from the run's method record, here and nowhere else."""
+    returns its rows) and how the rows reach the verifier (`draft_rows`: "lean" | "full", the
+    config's setting) follow from the run's method record, here and nowhere else."""
 
-    def __init__(self, run: Run, drafter: DrafterClient | None, verifier: VerifierClient) -> None:
+    def __init__(
+        self, run: Run, drafter: DrafterClient | None, verifier: VerifierClient, *,
+        draft_rows: DraftRowsMode = "lean",
+    ) -> None:
         self.run = run
         self.drafter = drafter
         self.verifier = verifier
+        self.draft_rows = draft_rows
         self.drafter_mirror = SessionMirror()
         self.verifier_mirror = SessionMirror()
         self.drafter_pending: asyncio.Task | None = None  # an abandoned pre-draft still in its call
@@ -181,19 +194,45 @@ class RunSessions:
         self, committed: list[int], tree: DraftTree, *, method: str, params: MethodParams,
         draft_probs: torch.Tensor | None, timeline: Timeline,
     ) -> VerifyOutcome:
-        """One target pass over committed + tree and `method`'s rule; the verifier commits the tokens."""
+        """One target pass over committed + tree and `method`'s rule; the verifier commits the tokens.
+
+        Lean (docs/algorithms.md §12): resent with the rows the verifier names until it decides.
+        Every retry must add rows of the [n + 1, V] layout, so there are at most n + 1 of them.
+        The outcome's forward and verification seconds are those of all rounds.
+        """
         run, verifier = self.run, self.verifier
+        spec = get_method(method)
+        lean = draft_probs is not None and self.draft_rows == "lean" and spec.lean_rows
+        probs = token_probs(tree, draft_probs) if lean else []
+        rows = set(spec.rows_up_front(params, len(tree))) if lean else set()
 
         def call(base: int, append: list[int]) -> Awaitable[VerifyOutcome]:
-            return verifier.verify(VerifyRequest(
+            request = VerifyRequest(
                 session_id=run.session_id, base_len=base, append=append, tree_tokens=list(tree.tokens),
                 tree_parents=list(tree.parents), method=method, params=params, sampling=run.sampling,
-                draft_probs=draft_probs,
-            ))
+            )
+            if lean:
+                request.draft_token_probs = probs
+                request.draft_row_indices = sorted(rows)
+                request.draft_row_values = draft_probs[sorted(rows)] if rows else None
+            else:
+                request.draft_probs = draft_probs
+            return verifier.verify(request)
 
         outcome = await timeline.timed("verify", self.verifier_mirror.call(committed, call))
+        forward_seconds, verify_seconds = outcome.forward_seconds, outcome.verify_seconds
+        while outcome.draft_rows_needed:
+            asked = set(outcome.draft_rows_needed)
+            if not lean or not asked.isdisjoint(rows) or not asked <= set(range(len(tree) + 1)):
+                raise RuntimeError(f"verifier asked for draft rows {sorted(asked)} of a {len(tree)}-node "
+                                   f"{'lean' if lean else 'full'} verify that carried {sorted(rows)}")
+            rows |= asked
+            retry = self.verifier_mirror.call(committed, call)  # it holds committed: base_len = all of it
+            outcome = await timeline.timed("verify", retry, "verify-rows")
+            forward_seconds += outcome.forward_seconds
+            verify_seconds += outcome.verify_seconds
         self.verifier_mirror.held = committed + list(outcome.tokens)  # the verifier committed them
-        return outcome
+        return dataclasses.replace(outcome, forward_seconds=forward_seconds, verify_seconds=verify_seconds)
 
     # the end of the run ------------------------------------------------------------------------
     async def close(self) -> None:

@@ -26,11 +26,12 @@ import torch
 
 from orchestrator import pipeline, scheduling
 from orchestrator.accounting import CALIBRATION_FLUSH_ITERATIONS, account, flush_calibration
+from orchestrator.adaptation import DraftLength, Observation, PairEstimates
 from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.failover import Backoff, DrafterDown, both, connect_drafter
 from orchestrator.output import absorb, context_full, text_delta
-from orchestrator.run import Run, Timeline, check_prompt, check_request, new_run
+from orchestrator.run import Run, Timeline, adaptable, check_prompt, check_request, new_run
 from orchestrator.sessions import RunSessions, draft_rows
 from orchestrator.store import Store, open_store
 from specdec.engine.api import DraftResult, InvalidRequest, ModelInfo, PeerUnavailable, VerifyOutcome
@@ -74,6 +75,7 @@ class Orchestrator:
         self.target_info: ModelInfo | None = None
         self.draft_info: ModelInfo | None = None
         self._backoff = Backoff()
+        self._estimates: dict[str, PairEstimates] = {}  # per model pair and method (adaptation.py)
 
     # lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -175,7 +177,7 @@ class Orchestrator:
         orchestrator that dies) leaves it "running" with everything produced so far: resumable.
         """
         seconds_before = run.stats.seconds
-        sessions = RunSessions(run, self.drafter, self.verifier)
+        sessions = RunSessions(run, self.drafter, self.verifier, draft_rows=self.config.draft_rows)
         error: BaseException | None = None
         if self.observer is not None:
             run.probe = self._observe_start(run, self.observer)
@@ -227,7 +229,9 @@ class Orchestrator:
         timeline = Timeline(probe)
         record = IterationRecord(request_id=run.request_id, index=run.stats.iterations, position=position,
                                  method=run.method, a=run.a)
-        # Decide what to draft; None: a target-only step (by method, or no draft fits the context).
+        if run.adaptive:
+            run.k = self._draft_length(run).choose()
+        # Decide what to draft; None: a target-only step (by method, k = 0, or no draft fits the context).
         plan = scheduling.plan_iteration(run, position, self._depth_cap(position))
         tree, outcome = DraftTree.empty(), None
         if plan is not None and await self._drafter_ready():
@@ -250,6 +254,7 @@ class Orchestrator:
         if run.finish_reason is not None or record.method != run.method:
             pipeline.drop_predraft(run)  # the run ended, or a target-only step took its place
         account(run, record, tree=tree, outcome=outcome, emitted=emitted, started=started, timeline=timeline)
+        self._learn(run, record, timeline)
         self._report(record, probe, tree.max_depth)
 
     async def _draft(
@@ -289,6 +294,33 @@ class Orchestrator:
         params = MethodParams(seed=sessions.run.seed, position=len(committed))
         return await sessions.verify(committed, DraftTree.empty(), method=TARGET_ONLY_VERIFICATION,
                                      params=params, draft_probs=None, timeline=timeline)
+
+    # online draft length (adaptation.py) -------------------------------------------------------
+    def _pair_estimates(self, run: Run) -> PairEstimates:
+        return self._estimates.setdefault(f"{self.pair_key}|{run.method}", PairEstimates())
+
+    def _draft_length(self, run: Run) -> DraftLength:
+        if run.draft_length is None:
+            config = self.config
+            run.draft_length = DraftLength(self._pair_estimates(run), k_max=config.max_k,
+                                           start_k=config.default_k, probe_every=config.adaptive_probe_every)
+        return run.draft_length
+
+    def _learn(self, run: Run, record: IterationRecord, timeline: Timeline) -> None:
+        """Every finished iteration of a sequence method teaches the pair's estimates (requests with a
+        fixed k too), and an adaptive request's own acceptance; a step forced by a lost drafter, or
+        a target-only step the request did not choose, says nothing about speculation."""
+        if record.fallback or run.tree_budget is not None or not adaptable(run.method, self.config):
+            return
+        if record.method != run.method and not run.adaptive:
+            return
+        observation = Observation(
+            drafted=record.num_drafted, accepted=record.accepted, wall_seconds=record.end - record.start,
+            verify_seconds=timeline.verify_seconds(), draft_seconds=timeline.draft_seconds(),
+        )
+        self._pair_estimates(run).observe(observation)
+        if run.adaptive:
+            self._draft_length(run).observe(observation)
 
     # the drafter's availability (failover.py) --------------------------------------------------
     async def _drafter_ready(self) -> bool:

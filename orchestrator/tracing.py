@@ -62,7 +62,8 @@ class IterationProbe(Protocol):
     """Per-iteration hooks (entered by RequestProbe.iteration). Times are time.perf_counter()."""
 
     def call_started(self, kind: str, op: str, start: float) -> Any:
-        """A drafter (kind "draft") or verifier (kind "verify") call begins; op = score | verify | draft.
+        """A drafter (kind "draft") or verifier (kind "verify") call begins; op = draft | lookahead |
+        score | verify | verify-rows (a lean verify resent with the draft rows it asked for).
 
         Runs in the task that awaits the call, so a span made current here is the caller's
         context during the call (and travels in its gRPC metadata). Returns a token.
@@ -616,7 +617,8 @@ class EngineSpans:
                     "specdec.forward_seconds": result.forward_seconds,
                     "specdec.verification_seconds": result.verify_seconds,
                     "specdec.score_reused": score_reused,
-                    "specdec.pending_tokens": int(result.extra.get("pending_tokens", 0))})
+                    "specdec.pending_tokens": int(result.extra.get("pending_tokens", 0)),
+                    "specdec.draft_rows_needed": len(result.draft_rows_needed)})
         verify_ns = int(result.verify_seconds * 1e9)
         verification_start = max(start_ns, end_ns - verify_ns)
         if not score_reused and result.forward_seconds > 0:

@@ -30,6 +30,15 @@ Glossary (the words the records use):
                     iteration drafts (K), so the draft length is not the orchestrator's to choose.
   empty-draft rows  an iteration with no draft token still needs Q_1 (RD's no-draft step emits
                     from norm((P_1 − a·Q_1)+)); for the others an empty tree samples P_1 alone.
+  lean rows         the draft rows may go to the verifier lean (docs/algorithms.md §12): each
+                    node's q(x̃) alone, and a whole row only when the rule reaches it (the
+                    verifier answers draft_rows_needed and the verify is resent with them).
+                    Derived from what each rule reads: token and rd read q at the drafted tokens
+                    and one row at the first rejection (rd also row K on tails: sent up front,
+                    `rows_up_front`); gsd-tree a node's row only once one of its children is
+                    rejected. Not block: its pass probabilities read Σ(w·P − Q)+ over every row
+                    1..live, so a lean verify would fetch them all a round trip later. ERSD reads
+                    no draft row at all.
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ class Method:
     coins: bool = False  # randomised drafting: takes `a`; coins fix each iteration's draft length
     empty_draft_needs_rows: bool = False
     k_is_tree_budget: bool = False  # the request's k is this method's node budget
+    lean_rows: bool = False  # its draft rows go lean by default: q per node, rows on demand (glossary)
 
     @property
     def speculative(self) -> bool:
@@ -106,6 +116,18 @@ class Method:
                 return False
         return num_drafted > 0 or self.empty_draft_needs_rows
 
+    def rows_up_front(self, params: MethodParams, num_drafted: int) -> tuple[int, ...]:
+        """The draft rows a lean verify carries from the start (docs/algorithms.md §12).
+
+        RD with K = num_drafted < k_max reads exactly one draft row whatever happens — the first
+        rejected row, or the tails row K when all K drafts pass (always for K = 0) — so row K goes
+        along and only a rejection costs a second round trip. Every other lean rule reads rows
+        only on a rejection: none up front.
+        """
+        if self.coins and num_drafted < params.k_max and self.needs_rows(params, num_drafted):
+            return (num_drafted,)
+        return ()
+
 
 METHODS: dict[str, Method] = {
     method.name: method
@@ -120,6 +142,7 @@ METHODS: dict[str, Method] = {
             draft_shapes=frozenset({"sequence"}),
             pipelinable=True,
             adaptive_length=True,
+            lean_rows=True,
         ),
         Method(
             name="block",
@@ -150,6 +173,7 @@ METHODS: dict[str, Method] = {
             draft_strategy="sample",
             draft_shapes=frozenset({"tree"}),
             k_is_tree_budget=True,
+            lean_rows=True,
         ),
         Method(
             name="rd",
@@ -163,6 +187,7 @@ METHODS: dict[str, Method] = {
             pipelinable=True,
             coins=True,
             empty_draft_needs_rows=True,
+            lean_rows=True,
         ),
         Method(
             name="autoregressive",

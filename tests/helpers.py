@@ -26,3 +26,16 @@ def wait_for_ready_file(
             raise AssertionError(f"{what} exited with {process.returncode}:\n{log()}")
         time.sleep(poll_s)
     raise AssertionError(f"{what} not ready within {timeout_s:.0f}s:\n{log()}")
+
+
+def use_draft_rows(monkeypatch: Any, mode: str) -> None:
+    """Every RunSessions the orchestrator makes from now on (this test) sends its draft rows `mode`
+    ("lean" | "full", docs/algorithms.md §12), whatever the config says."""
+    from orchestrator import speculation
+    from orchestrator.sessions import RunSessions
+
+    class Sessions(RunSessions):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "draft_rows": mode})
+
+    monkeypatch.setattr(speculation, "RunSessions", Sessions)

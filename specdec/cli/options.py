@@ -46,6 +46,21 @@ CoresOpt = Annotated[str | None, typer.Option(
     "--cores", help="Pin this process to these CPU cores, e.g. 0 or 0,2-3 (os.sched_setaffinity). "
     "Default: no pinning.", show_default=False)]
 MaxMessageOpt = Annotated[float, typer.Option("--max-message-mb", help="gRPC message size limit (MB).")]
+# orchestrator.config.DraftRowsMode, spelled out: the CLI starts without pydantic (a test checks they agree).
+DRAFT_ROWS_CHOICES = ("lean", "full")
+DraftRowsOpt = Annotated[str | None, typer.Option(
+    "--draft-rows", callback=_one_of(DRAFT_ROWS_CHOICES), help=(
+        "How the orchestrator sends the drafter's distributions to the verifier (docs/algorithms.md "
+        "§12): lean | full. lean: for token, rd and gsd-tree, each draft token's probability only, and "
+        "a whole row of V floats only where the verifier asks for it after a rejection (one more round "
+        "trip then); full: every row (k + 1 rows of V float32) with every verify. The output is the "
+        "same either way. Default: $SPECDEC_DRAFT_ROWS, else lean."), show_default=False)]
+AdaptiveKOpt = Annotated[bool | None, typer.Option(
+    "--adaptive-k/--fixed-k", help=(
+        "Draft length of requests that name neither k nor a seed: picked online from this pair's "
+        "measured acceptance and call times, down to 0 (target-only steps) when drafting cannot pay "
+        "(--adaptive-k), or always the default k (--fixed-k). Default: $SPECDEC_ADAPTIVE_K, else "
+        "adaptive."), show_default=False)]
 MaxSessionsOpt = Annotated[int, typer.Option("--max-sessions", help="KV-cache sessions kept (LRU).")]
 SessionTtlOpt = Annotated[float, typer.Option("--session-ttl", help="Seconds an idle session is kept.")]
 ReadyFileOpt = Annotated[Path | None, typer.Option(

@@ -45,8 +45,10 @@ from specdec.cli.observability import (
     TraceFileOpt,
 )
 from specdec.cli.options import (
+    AdaptiveKOpt,
     CoresOpt,
     DeviceOpt,
+    DraftRowsOpt,
     DtypeOpt,
     HostOpt,
     LogLevelOpt,
@@ -210,6 +212,8 @@ def serve_orchestrator(
     store_url: Annotated[str | None, typer.Option(
         "--store-url", help="redis://host:port/db keeps requests and calibration in Redis. "
         "Default: $SPECDEC_STORE_URL, else in memory.", show_default=False)] = None,
+    draft_rows: DraftRowsOpt = None,
+    adaptive_k: AdaptiveKOpt = None,
     peer_timeout: Annotated[float, typer.Option(
         "--peer-timeout", help="Seconds to wait at startup for the verifier to answer.")] = 60.0,
     ready_file: ReadyFileOpt = None,
@@ -227,7 +231,7 @@ def serve_orchestrator(
     """
     setup_logging(log_level)
     try:
-        config = orchestrator_config(default_method, default_k, default_a, store_url)
+        config = orchestrator_config(default_method, default_k, default_a, store_url, draft_rows, adaptive_k)
         check_port_free(host, port, "--port")
         observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
         obs = observability.setup("orchestrator")

@@ -26,6 +26,8 @@ from orchestrator.processes import (
 from specdec.cli.common import CliError, err, fail, resolve_model
 from specdec.cli.observability import MetricsHostOpt, ObservabilityOptions, OtlpEndpointOpt, TraceFileOpt
 from specdec.cli.options import (
+    AdaptiveKOpt,
+    DraftRowsOpt,
     DtypeOpt,
     MaxMessageOpt,
     MaxSessionsOpt,
@@ -80,6 +82,8 @@ def up(
     store_url: Annotated[str | None, typer.Option(
         "--store-url", help="redis://host:port/db for the orchestrator's store. Default: in memory.",
         show_default=False)] = None,
+    draft_rows: DraftRowsOpt = None,
+    adaptive_k: AdaptiveKOpt = None,
     startup_timeout: Annotated[float, typer.Option(
         "--startup-timeout", help="Seconds each service may take to load and pass its health check.")] =
         600.0,
@@ -152,9 +156,11 @@ def up(
             args = ["orchestrator", "--drafter", drafter.address, "--verifier", verifier.address,
                     "--host", host, "--port", str(port), "--max-message-mb", str(max_message_mb)]
             for flag, value in (("--default-method", default_method), ("--default-k", default_k),
-                                ("--store-url", store_url)):
+                                ("--store-url", store_url), ("--draft-rows", draft_rows)):
                 if value is not None:
                     args += [flag, str(value)]
+            if adaptive_k is not None:
+                args.append("--adaptive-k" if adaptive_k else "--fixed-k")
             args += observability.child_args("orchestrator")
             orch = supervisor.start(supervisor.child("orchestrator", args))
             processes.wait_ready(orch, startup_timeout, abort=supervisor.stop_requested)

@@ -24,6 +24,8 @@ from specdec.sampling import SamplingParams
 from specdec.verification.base import MethodParams
 
 DRAFT_STRATEGIES = ("sample", "race")
+BOTH_DRAFT_FORMS = ("draft_probs: give the draft rows either full (draft_probs) or lean (draft_token_probs, "
+                    "draft_row_indices, draft_row_values), not both")
 
 
 class EngineError(Exception):
@@ -139,6 +141,10 @@ class ScoreRequest:
 
 @dataclass
 class VerifyRequest:
+    """The draft side comes full (`draft_probs`, [n + 1, V]) or lean (docs/algorithms.md §12): per
+    node the draft probability of its token in its parent's row, plus the rows given so far; the
+    engine then answers `draft_rows_needed` when the rule reaches another row. Not both forms."""
+
     session_id: str
     base_len: int
     append: list[int]
@@ -148,10 +154,23 @@ class VerifyRequest:
     params: MethodParams
     sampling: SamplingParams
     draft_probs: torch.Tensor | None = None
+    # The lean form: float64 q per node (specdec.verification.lean.token_probs), the rows carried
+    # and their raw float32 values [len(draft_row_indices), V].
+    draft_token_probs: list[float] = field(default_factory=list)
+    draft_row_indices: list[int] = field(default_factory=list)
+    draft_row_values: torch.Tensor | None = None
+
+    @property
+    def lean(self) -> bool:
+        """Whether the request uses the lean form (an empty one carries no draft at all)."""
+        return bool(self.draft_token_probs or self.draft_row_indices) or self.draft_row_values is not None
 
 
 @dataclass
 class VerifyOutcome:
+    """tokens is empty exactly when draft_rows_needed is not: a lean verify reached draft rows it
+    was not given; nothing was committed, and the same request with those rows too decides."""
+
     tokens: list[int]  # accepted path + one extra token; the engine has committed them
     accepted_nodes: list[int]
     accept_flags: list[bool]
@@ -161,3 +180,4 @@ class VerifyOutcome:
     verify_seconds: float = 0.0
     reused_tokens: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    draft_rows_needed: list[int] = field(default_factory=list)

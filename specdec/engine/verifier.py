@@ -10,6 +10,12 @@ committed but not cached: it is the first pending token of the next call.
 its rows; a `verify` for the same committed sequence and tree uses them instead of recomputing.
 Both hold the session's lock, so a verify that arrives while its score is still running waits
 for it. A score that arrives after its verify (possible over the network) is ignored.
+
+A lean verify (docs/algorithms.md §12) whose rule reaches a draft row it was not given commits
+nothing: it parks its forward pass (and warped rows) the same way and answers
+`draft_rows_needed`. The retry — the same request plus those rows — reuses them and re-runs the
+rule with the same seeded source, keyed on the committed length, so it decides exactly as the
+full rows would have.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.engine.api import (
+    BOTH_DRAFT_FORMS,
     InvalidRequest,
     ModelInfo,
     ScoreRequest,
@@ -39,8 +46,10 @@ from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import DraftTree, DraftTreeError
 from specdec.verification.base import MethodParams, VerificationError, check_rows
 from specdec.verification.dispatch import verify
+from specdec.verification.lean import DraftRowsNeeded, LeanDraft, check_lean
 
 MAX_TREE_NODES = 1024
+DraftRows = torch.Tensor | LeanDraft | None  # full rows, a lean draft, or none (the method reads none)
 
 
 @dataclass
@@ -48,6 +57,7 @@ class _Scored:
     key: tuple
     score: TreeScore
     forward_seconds: float
+    warped: tuple[SamplingParams, torch.Tensor] | None = None  # target rows a lean verify warped
 
 
 @dataclass
@@ -78,6 +88,7 @@ class VerifierEngine:
         self.sessions: SessionStore[VerifierSession] = SessionStore(self._new_session, sessions, clock)
         self.score_hits = 0  # verifies that used an earlier score's rows
         self.late_scores = 0  # scores ignored because their verify had already run
+        self.draft_rows_requests = 0  # lean verifies answered with draft_rows_needed
 
     def _new_session(self) -> VerifierSession:
         return VerifierSession(kv=TreeKVCache(self.loaded.model, lock=self._forward_lock))
@@ -92,7 +103,8 @@ class VerifierEngine:
     def stats(self) -> dict[str, int]:
         """Counters for metrics: active_sessions, evictions (LRU + TTL), expirations, created, released."""
         stats = self.sessions.stats()
-        stats.update(score_hits=self.score_hits, late_scores=self.late_scores)
+        stats.update(score_hits=self.score_hits, late_scores=self.late_scores,
+                     draft_rows_requests=self.draft_rows_requests)
         return stats
 
     def tokenize(self, text: str) -> list[int]:
@@ -144,28 +156,46 @@ class VerifierEngine:
             raise InvalidRequest(f"method: {exc}") from exc
         if not isinstance(request.params, MethodParams):
             raise InvalidRequest("params must be a MethodParams")
-        draft_probs = self._draft_rows(request, method, tree)
+        draft = self._draft_rows(request, method, tree)
         with self.sessions.use(request.session_id, request.base_len) as session:
             committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
             key = _key(committed, tree)
             scored, session.scored = session.scored, None
-            if scored is not None and scored.key == key:
+            if scored is not None and scored.key != key:
+                scored = None
+            reused = scored is not None
+            if scored is not None:
                 score, forward_seconds = scored.score, scored.forward_seconds
                 self.score_hits += 1
             else:
                 score, forward_seconds = self._forward(session, committed, tree)
 
             began = time.perf_counter()
-            target_rows = warp_logits(score.logits, request.sampling)
-            if draft_probs is not None:
-                draft_probs = draft_probs.to(target_rows.device)
+            if scored is not None and scored.warped is not None and scored.warped[0] == request.sampling:
+                target_rows = scored.warped[1]
+            else:
+                target_rows = warp_logits(score.logits, request.sampling)
+            draft = _to_device(draft, target_rows.device)
             # The engine knows the committed length; ERSD's races are keyed on it.
             params = dataclasses.replace(request.params, position=len(committed))
             source = TorchRandomSource.from_seed(params.seed, "verify", len(committed))
             try:
-                result = self._verify(request.method, tree, target_rows, draft_probs, params, source)
+                result = self._verify(request.method, tree, target_rows, draft, params, source)
             except VerificationError as exc:
                 raise InvalidRequest(f"verification failed: {exc}") from exc
+            except DraftRowsNeeded as need:
+                # Nothing decided: park the pass for the retry (its time is counted here, once) and
+                # hold `committed`, as `score` does (docs/algorithms.md §12).
+                session.scored = _Scored(key, score, 0.0, (request.sampling, target_rows))
+                session.committed = committed
+                self.draft_rows_requests += 1
+                return VerifyOutcome(
+                    tokens=[], accepted_nodes=[], accept_flags=[], num_drafted=len(tree),
+                    committed_len=len(committed), forward_seconds=forward_seconds,
+                    verify_seconds=time.perf_counter() - began, reused_tokens=score.reused,
+                    extra={"pending_tokens": float(score.pending_len), "score_reused": float(reused)},
+                    draft_rows_needed=list(need.rows),
+                )
             verify_seconds = time.perf_counter() - began
 
             try:
@@ -184,10 +214,7 @@ class VerifierEngine:
                 forward_seconds=forward_seconds,
                 verify_seconds=verify_seconds,
                 reused_tokens=score.reused,
-                extra={
-                    "pending_tokens": float(score.pending_len),
-                    "score_reused": 1.0 if scored is not None and scored.key == key else 0.0,
-                },
+                extra={"pending_tokens": float(score.pending_len), "score_reused": float(reused)},
             )
 
     # helpers --------------------------------------------------------------------------------
@@ -223,14 +250,32 @@ class VerifierEngine:
         except DraftTreeError as exc:
             raise InvalidRequest(f"tree_parents: {exc}") from exc
 
-    def _draft_rows(self, request: VerifyRequest, method: Method, tree: DraftTree) -> torch.Tensor | None:
-        """The request's draft rows where the method reads them, checked before any forward pass."""
+    def _draft_rows(self, request: VerifyRequest, method: Method, tree: DraftTree) -> DraftRows:
+        """The request's draft rows (full or lean) where the method reads them, checked before any
+        forward pass."""
+        lean = request.lean
+        if lean and request.draft_probs is not None:
+            raise InvalidRequest(BOTH_DRAFT_FORMS)
+        vocab = self.loaded.info.vocab_size
         try:
             if not method.needs_rows(request.params, len(tree)):
                 return None
-            return check_rows(tree, request.draft_probs, "draft", self.loaded.info.vocab_size)
+            if lean:
+                draft = LeanDraft(tuple(request.draft_token_probs), tuple(request.draft_row_indices),
+                                  request.draft_row_values)
+                return check_lean(len(tree), draft, vocab)
+            return check_rows(tree, request.draft_probs, "draft", vocab)
         except VerificationError as exc:
-            raise InvalidRequest(f"draft_probs: {exc}") from exc
+            raise InvalidRequest(f"{'lean draft' if lean else 'draft_probs'}: {exc}") from exc
+
+
+def _to_device(draft: DraftRows, device: torch.device) -> DraftRows:
+    """The draft rows on the target rows' device."""
+    if isinstance(draft, torch.Tensor):
+        return draft.to(device)
+    if isinstance(draft, LeanDraft) and draft.row_values is not None:
+        return dataclasses.replace(draft, row_values=draft.row_values.to(device))
+    return draft
 
 
 def _check_sampling(sampling: object) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from specdec.engine.api import (
+    BOTH_DRAFT_FORMS,
     DraftRequest,
     DraftResult,
     InvalidRequest,
@@ -41,6 +42,8 @@ from specdec.rpc.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2
 from specdec.sampling import SamplingParams
 from specdec.trees import sequence_parents
 from specdec.verification.base import MethodParams
+from specdec.verification.errors import VerificationError
+from specdec.verification.lean import LeanDraft, check_lean
 
 UINT64_MAX = 2**64 - 1
 MAX_TENSOR_DIMS = 8
@@ -314,11 +317,16 @@ def verify_request_to_proto(req: VerifyRequest) -> verifier_pb2.VerifyRequest:
     )
     if req.draft_probs is not None:
         msg.draft_probs.CopyFrom(tensor_to_proto(req.draft_probs, "draft_probs"))
+    msg.draft_token_probs.extend(float(v) for v in req.draft_token_probs)
+    msg.draft_row_indices.extend(_ints(req.draft_row_indices, "draft_row_indices"))
+    if req.draft_row_values is not None:
+        msg.draft_row_values.CopyFrom(tensor_to_proto(req.draft_row_values, "draft_row_values"))
     return msg
 
 
 def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> VerifyRequest:
-    return VerifyRequest(
+    """Also checks the lean draft fields' form (docs/algorithms.md §12); the vocabulary is the engine's."""
+    req = VerifyRequest(
         session_id=msg.session_id,
         base_len=msg.base_len,
         append=list(msg.append),
@@ -328,7 +336,19 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> VerifyRequest:
         params=method_params_from_proto(msg.params, msg.HasField("params")),
         sampling=sampling_from_proto(msg.sampling, msg.HasField("sampling")),
         draft_probs=_optional_tensor(msg, "draft_probs", "draft_probs"),
+        draft_token_probs=list(msg.draft_token_probs),
+        draft_row_indices=list(msg.draft_row_indices),
+        draft_row_values=_optional_tensor(msg, "draft_row_values", "draft_row_values"),
     )
+    if req.lean:
+        if req.draft_probs is not None:
+            raise InvalidRequest(BOTH_DRAFT_FORMS)
+        lean = LeanDraft(tuple(req.draft_token_probs), tuple(req.draft_row_indices), req.draft_row_values)
+        try:
+            check_lean(len(req.tree_tokens), lean)
+        except VerificationError as exc:
+            raise InvalidRequest(str(exc)) from None
+    return req
 
 
 def verify_outcome_to_proto(outcome: VerifyOutcome) -> verifier_pb2.VerifyOutcome:
@@ -342,6 +362,7 @@ def verify_outcome_to_proto(outcome: VerifyOutcome) -> verifier_pb2.VerifyOutcom
         verify_seconds=float(outcome.verify_seconds),
         reused_tokens=int(outcome.reused_tokens),
         extra={str(k): float(v) for k, v in outcome.extra.items()},
+        draft_rows_needed=_ints(outcome.draft_rows_needed, "draft_rows_needed"),
     )
 
 
@@ -356,6 +377,7 @@ def verify_outcome_from_proto(msg: verifier_pb2.VerifyOutcome) -> VerifyOutcome:
         verify_seconds=msg.verify_seconds,
         reused_tokens=msg.reused_tokens,
         extra=dict(msg.extra),
+        draft_rows_needed=list(msg.draft_rows_needed),
     )
 
 

@@ -7,5 +7,6 @@ gsd_tree  multi-candidate trees, recursive rejection of children drawn without r
 rd        randomised drafting with per-position coins (k >= 1, including the no-draft step).
 
 The entry point is specdec.verification.dispatch.verify; what each method needs is in the
-registry, specdec.methods.
+registry, specdec.methods. lean.py is the draft side of a lean verify (each node's q plus the
+rows a rule reads, fetched on demand: docs/algorithms.md §12).
 """

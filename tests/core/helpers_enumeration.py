@@ -50,6 +50,16 @@ class ReplaySource:
         self.probability *= probability
         return value
 
+    def checkpoint(self) -> tuple[int, float]:
+        """Where the draws stand now, for `rewind`."""
+        return len(self.choices), self.probability
+
+    def rewind(self, checkpoint: tuple[int, float]) -> None:
+        """Forget the draws since `checkpoint`: the next ones repeat them (forced, or branch 0 as
+        before) — what a seeded source re-created from the same key does (docs/algorithms.md §12)."""
+        step, self.probability = checkpoint
+        del self.choices[step:], self.widths[step:]
+
     def bernoulli(self, p: float) -> bool:
         p = float(p)
         if p != p:

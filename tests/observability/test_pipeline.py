@@ -200,7 +200,12 @@ def test_metrics_move_with_the_run(run):
     drafts = delta("drafter", "specdec_engine_calls_total", rpc="Draft", outcome="ok")
     assert drafts == draft_calls - lookaheads
     assert delta("drafter", "specdec_forward_seconds_sum", role="drafter") >= SLEEP_S * draft_calls
-    assert delta("verifier", "specdec_engine_calls_total", rpc="Verify", outcome="ok") == iterations
+    # A lean verify that met a rejection is resent with the draft rows it asked for (docs/algorithms.md
+    # §12): one more Verify call, a loop span of its own.
+    retries = delta("verifier", "specdec_draft_rows_requests_total", role="verifier")
+    assert retries == len([s for s in named(run.spans, VERIFY_SPAN) if s["service"] == "specdec-orchestrator"
+                           and s["attributes"].get("specdec.call") == "verify-rows"])
+    assert delta("verifier", "specdec_engine_calls_total", rpc="Verify", outcome="ok") == iterations + retries
     assert delta("verifier", "specdec_sessions_created_total", role="verifier") >= len(results)
     for role in ("drafter", "verifier"):
         assert ("specdec_active_sessions", (("role", role),)) in after[role]

@@ -23,7 +23,9 @@ from specdec.runtime.loading import load_model
 from specdec.runtime.tiny import save_tiny_model
 from specdec.sampling import SamplingParams
 from specdec.trees import DraftTree
-from specdec.verification.base import VerifyResult
+from specdec.verification.base import Rows, VerifyResult
+from specdec.verification.lean import LeanDraft, LeanRows
+from tests.helpers import use_draft_rows
 from tests.orchestrator.helpers import P_THRESHOLD, PROMPT, exact_distribution, p_values, sample
 
 pytestmark = pytest.mark.slow
@@ -95,13 +97,26 @@ async def test_greedy_is_the_argmax_continuation(pair, method, knobs):
     assert set(samples) == {greedy}
 
 
+async def test_full_draft_rows_are_distributed_as_the_target(pair, exact_t1, monkeypatch):
+    """The tests above send the draft rows lean (the default, docs/algorithms.md §12); full rows too."""
+    use_draft_rows(monkeypatch, "full")
+    seeds = range(50_000_000, 50_000_000 + SAMPLES)
+    samples = await sample(make_orchestrator(pair), "token", {"k": 2}, SamplingParams(1.0), seeds)
+    joint, first = p_values(samples, exact_t1)
+    assert min(joint, first) > P_THRESHOLD, f"token, full rows: chi-square p = {joint:.2e} / {first:.2e}"
+
+
 def _rejection_samples_from_p(method, tree: DraftTree, target_probs, draft_probs, params,
                               source) -> VerifyResult:
-    """BROKEN token verification: after a rejection it samples from P instead of norm((P - Q)+)."""
+    """BROKEN token verification: after a rejection it samples from P instead of norm((P - Q)+).
+    The draft rows come lean by default (docs/algorithms.md §12): q is read through their view."""
+    vocab = target_probs.shape[1]
+    draft = (LeanRows(tree, draft_probs, vocab) if isinstance(draft_probs, LeanDraft)
+             else Rows(draft_probs, "draft"))
     for i, token in enumerate(tree.tokens):
         p = target_probs[i].double() / target_probs[i].double().sum()
-        q = draft_probs[i].double() / draft_probs[i].double().sum()
-        if not source.bernoulli(min(1.0, float(p[token] / q[token]))):
+        q = draft.at([i], [token])[0]
+        if not source.bernoulli(min(1.0, float(p[token]) / q)):
             y = source.categorical(p)
             return VerifyResult(list(tree.tokens[:i]) + [y], list(range(i)), [True] * i + [False])
     last = target_probs[len(tree)].double()

@@ -303,6 +303,76 @@ def test_verify_request_round_trip(
     assert_same(convert.verify_request_from_proto(via_bytes(convert.verify_request_to_proto(req))), req)
 
 
+@st.composite
+def lean_requests(draw) -> VerifyRequest:
+    """A lean VerifyRequest of a sequence: q per node and some of the n + 1 rows."""
+    n, vocab = draw(st.integers(0, 5)), draw(st.integers(1, 9))
+    probs = draw(st.lists(st.floats(0, 1), min_size=n, max_size=n))
+    rows = draw(st.lists(st.integers(0, n), unique=True, max_size=n + 1))
+    values = draw(st.lists(st.floats(0, 1, width=32), min_size=len(rows) * vocab, max_size=len(rows) * vocab))
+    row_values = torch.tensor(values, dtype=torch.float32).reshape(len(rows), vocab) if rows else None
+    return VerifyRequest("s", draw(st.integers(0, 99)), [1], list(range(n)), list(range(-1, n - 1)), "token",
+                         MethodParams(seed=3), SamplingParams(), None, probs, rows, row_values)
+
+
+@FAST
+@given(lean_requests())
+def test_lean_verify_request_round_trip(req: VerifyRequest) -> None:
+    back = convert.verify_request_from_proto(via_bytes(convert.verify_request_to_proto(req)))
+    assert_same(back, req)
+    assert back.lean == req.lean == bool(req.tree_tokens or req.draft_row_indices)
+
+
+def _lean_message(**fields) -> verifier_pb2.VerifyRequest:
+    """A lean VerifyRequest of two sequence nodes carrying row 1 of V = 3, with `fields` replaced."""
+    req = VerifyRequest("s", 0, [1], [4, 5], [-1, 0], "token", MethodParams(), SamplingParams(), None,
+                        [0.25, 0.5], [1], torch.ones(1, 3))
+    return convert.verify_request_to_proto(dataclasses.replace(req, **fields))
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"draft_probs": torch.ones(3, 3)}, "either full .* or lean .*, not both"),
+    ({"draft_token_probs": [0.25]}, "draft_token_probs holds 1 values for 2 tree nodes"),
+    ({"draft_token_probs": [0.25, 0.5, 0.1]}, "draft_token_probs holds 3 values"),
+    ({"draft_token_probs": [0.25, math.nan]}, "draft_token_probs must be finite and >= 0"),
+    ({"draft_token_probs": [-0.25, 0.5]}, "draft_token_probs must be finite and >= 0"),
+    ({"draft_token_probs": [math.inf, 0.5]}, "draft_token_probs must be finite"),
+    ({"draft_row_indices": [3]}, r"draft_row_indices \[3\] lie outside the rows \[0, 3\)"),
+    ({"draft_row_indices": [-1]}, "draft_row_indices .* outside"),
+    ({"draft_row_indices": [1, 1], "draft_row_values": torch.ones(2, 3)}, "draft_row_indices repeat rows"),
+    ({"draft_row_values": None}, "draft_row_values are missing for the rows"),
+    ({"draft_row_values": torch.ones(2, 3)}, r"draft_row_values must have shape \[1, V\], got \[2, 3\]"),
+    ({"draft_row_values": torch.ones(3)}, "draft_row_values must have shape"),
+    ({"draft_row_indices": [], "draft_row_values": torch.ones(1, 3)}, "draft_row_values must have shape"),
+])
+def test_malformed_lean_fields_are_invalid(fields: dict, match: str) -> None:
+    with pytest.raises(InvalidRequest, match=match):
+        convert.verify_request_from_proto(via_bytes(_lean_message(**fields)))
+
+
+def test_lean_row_values_with_a_bad_tensor_name_the_field() -> None:
+    msg = _lean_message()
+    msg.draft_row_values.data_f32 = b"\0" * 5
+    with pytest.raises(InvalidRequest, match="draft_row_values.data_f32"):
+        convert.verify_request_from_proto(msg)
+
+
+def test_a_lean_verify_is_far_smaller_on_the_wire() -> None:
+    """k = 4 drafts on the default models' vocabulary: full rows [5, V] are ~3 MB; the lean form
+    carries 4 doubles, and ~600 KB per row the verifier asks for after a rejection."""
+    k, vocab = 4, 151_936
+    rows = torch.softmax(torch.randn(k + 1, vocab), dim=-1)
+    tokens, parents = [11, 22, 33, 44], [-1, 0, 1, 2]
+    base = VerifyRequest("session", 100, [7], tokens, parents, "token", MethodParams(), SamplingParams())
+    full = convert.verify_request_to_proto(dataclasses.replace(base, draft_probs=rows)).ByteSize()
+    q = [float(rows[i, t] / rows[i].double().sum()) for i, t in enumerate(tokens)]
+    lean = convert.verify_request_to_proto(dataclasses.replace(base, draft_token_probs=q)).ByteSize()
+    retry = convert.verify_request_to_proto(dataclasses.replace(
+        base, draft_token_probs=q, draft_row_indices=[2], draft_row_values=rows[2:3])).ByteSize()
+    assert full > (k + 1) * vocab * 4 and lean < 200 and retry < full / 4
+    assert full / lean > 10_000
+
+
 @FAST
 @given(
     toks=tokens,
@@ -314,9 +384,11 @@ def test_verify_request_round_trip(
     ver=non_negative,
     reused=st.integers(0, 10**6),
     extra=st.dictionaries(st.text(max_size=5), finite, max_size=3),
+    needed=st.lists(st.integers(0, 64), max_size=4),
 )
-def test_verify_outcome_round_trip(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra) -> None:
-    outcome = VerifyOutcome(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra)
+def test_verify_outcome_round_trip(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra,
+                                   needed) -> None:
+    outcome = VerifyOutcome(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra, needed)
     assert_same(
         convert.verify_outcome_from_proto(via_bytes(convert.verify_outcome_to_proto(outcome))), outcome
     )

@@ -46,6 +46,7 @@ from specdec.runtime.loading import load_model  # noqa: E402
 from specdec.runtime.tiny import save_tiny_model  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 from specdec.verification.base import MethodParams  # noqa: E402
+from tests.helpers import use_draft_rows  # noqa: E402
 from verifier_service.server import start_verifier_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -285,6 +286,34 @@ async def test_full_stack_over_grpc_matches_in_process(engines, method, knobs) -
     assert [t for chunk in chunks for t in chunk.token_ids] == local.token_ids
     assert chunks[-1].result is not None and chunks[-1].result.token_ids == local.token_ids
     assert remote.stats.iterations == len(remote.iterations) > 0
+
+
+# rd at a = 0.9: both tails rows (K < k_max, sent up front) and rejections (at a = 0.5 this pair
+# accepts every draft).
+LEAN_CASES = [("token", {"k": 3}), ("rd", {"k": 3, "a": 0.9}), ("gsd-tree", {"k": 4})]
+
+
+@pytest.mark.parametrize(("method", "knobs"), LEAN_CASES, ids=[m for m, _ in LEAN_CASES])
+async def test_lean_and_full_draft_rows_give_the_same_tokens_over_grpc(engines, monkeypatch, method, knobs):
+    """docs/algorithms.md §12: seeded requests through orchestrator → gRPC → engines emit the same
+    tokens whether Verify carries every draft row or each node's q plus the rows asked for."""
+    _, drafter_engine, verifier_engine = engines
+    tokens, asked = {}, {}
+    async with Servers(drafter_engine, verifier_engine) as servers:
+        for mode in ("lean", "full"):
+            use_draft_rows(monkeypatch, mode)
+            before = verifier_engine.stats()["draft_rows_requests"]
+            orchestrator = Orchestrator(GrpcDrafterClient(servers.drafter.address),
+                                        GrpcVerifierClient(servers.verifier.address))
+            try:
+                tokens[mode] = [(await orchestrator.generate(GenerationRequest(
+                    prompt_ids=PROMPT, max_new_tokens=10, seed=seed, method=method, stop_token_ids=[],
+                    sampling=SamplingParams(temperature=1.0), **knobs))).token_ids for seed in range(4)]
+            finally:
+                await orchestrator.close()
+            asked[mode] = verifier_engine.stats()["draft_rows_requests"] - before
+    assert tokens["lean"] == tokens["full"] and len({tuple(t) for t in tokens["full"]}) > 1
+    assert asked["lean"] > 0 and asked["full"] == 0  # lean met rejections and fetched their rows
 
 
 # ------------------------------------------------------------------------------------ fidelity

@@ -30,7 +30,7 @@ class ScoreResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs")
+    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,9 @@ class VerifyRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROW_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROW_VALUES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -49,10 +52,13 @@ class VerifyRequest(_message.Message):
     params: _common_pb2.MethodParams
     sampling: _common_pb2.SamplingParams
     draft_probs: _common_pb2.Tensor
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
+    draft_row_indices: _containers.RepeatedScalarFieldContainer[int]
+    draft_row_values: _common_pb2.Tensor
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class VerifyOutcome(_message.Message):
-    __slots__ = ("tokens", "accepted_nodes", "accept_flags", "num_drafted", "committed_len", "forward_seconds", "verify_seconds", "reused_tokens", "extra")
+    __slots__ = ("tokens", "accepted_nodes", "accept_flags", "num_drafted", "committed_len", "forward_seconds", "verify_seconds", "reused_tokens", "extra", "draft_rows_needed")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +75,7 @@ class VerifyOutcome(_message.Message):
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROWS_NEEDED_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     accept_flags: _containers.RepeatedScalarFieldContainer[bool]
@@ -78,7 +85,8 @@ class VerifyOutcome(_message.Message):
     verify_seconds: float
     reused_tokens: int
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accept_flags: _Optional[_Iterable[bool]] = ..., num_drafted: _Optional[int] = ..., committed_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    draft_rows_needed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accept_flags: _Optional[_Iterable[bool]] = ..., num_drafted: _Optional[int] = ..., committed_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., draft_rows_needed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)

@@ -1,0 +1,285 @@
+"""Online choice of the draft length, down to target-only (docs/algorithms.md §8, "Online draft
+length").
+
+Two pieces. `PairEstimates`, one per model pair (model ids carry the precision) and method, shared
+by every request, learns from the iterations the orchestrator already runs, with exponentially
+decaying weights (half-life HALF_LIFE iterations), so it follows a workload that changes:
+
+  α_d     acceptance at draft depth d given depth d was reached (shrunk towards the pooled α),
+  W(k)    the measured wall time of an iteration that drafted k tokens (k = 0: target-only),
+  T_p(n)  the verifier call's time for n positions (a line through the measured sizes),
+  T_q     the drafter's time per drafted token,
+  O       the rest of a speculative iteration (orchestration, transport, waits; below zero when
+          pipelining hides the drafter).
+
+`DraftLength`, one per request, keeps the request's own acceptance (code and prose differ a lot)
+and picks k ∈ {0, …, k_max} maximising tokens per second, E[tokens | k] / W(k), with
+
+  E[tokens | k] = 1 + Σ_{i=1..k} Π_{d=1..i} α_d     (§7 with per-depth α: the pair's profile α_d
+                                                    scaled to the request's own pooled rate)
+  W(k)          = measured W(k) where k ran recently (weight ≥ MIN_WEIGHT), else
+                  k·T_q + T_p(k + 1) + O            (§7's timed denominator plus the overhead)
+
+so the model is exact at the lengths that ran and only extrapolates to the others. A request opens
+with `opening` iterations at the pair's best non-zero k (its own acceptance shows only while it
+drafts) and then decides every DECIDE_EVERY iterations. At k = 0 a speculative probe, once the
+pair ran `probe_every` iterations without drafting, notices when speculation pays again; while
+drafting, every `explore_every` iterations one iteration at a neighbour whose measurement faded
+keeps W honest.
+
+Any k is exact (docs/algorithms.md §8): k is fixed before the iteration drafts, from finished
+iterations only. The choice depends on timings, so seeded requests (which ask for replay) and
+requests that name k keep a fixed k (orchestrator.run).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+HALF_LIFE = 64.0  # iterations of the pair
+MIN_WEIGHT = 2.0  # decayed samples before a measured W(k) replaces the model
+DEPTH_PRIOR = 16.0  # pseudo-samples pulling a depth's α towards the pair's pooled α
+REQUEST_PRIOR = 4.0  # pseudo-samples pulling a request's pooled α towards the pair's
+PRIOR_ALPHA = 0.6  # before any acceptance was seen
+PRIOR_SLOPE = 0.075  # T_p(n) ≈ T_p(1)·(1 + 0.075·(n − 1)) until two sizes were measured (int8 CPU)
+DECIDE_EVERY = 4  # a request's iterations between decisions (a pre-draft of the old length is dropped)
+SWITCH_GAIN = 1.03  # a new k must promise 3 % more tokens/s than the current one
+
+
+@dataclass
+class _Mean:
+    """A decaying mean Σ wᵢxᵢ / Σ wᵢ: `add` and `fade` multiply the old weights by `decay`."""
+
+    total: float = 0.0
+    weight: float = 0.0
+
+    def add(self, value: float, decay: float = 1.0) -> None:
+        self.total = self.total * decay + value
+        self.weight = self.weight * decay + 1.0
+
+    def fade(self, decay: float) -> None:
+        self.total *= decay
+        self.weight *= decay
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight if self.weight > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the estimates read from one finished iteration."""
+
+    drafted: int  # tokens drafted (0: a target-only step)
+    accepted: int  # drafts accepted
+    wall_seconds: float  # the whole iteration
+    verify_seconds: float  # its verifier calls
+    draft_seconds: float  # its drafter calls (those of a pre-draft ran in the iteration before)
+
+
+def _count_depths(hits: list[_Mean], obs: Observation, decay: float) -> None:
+    """One trial per depth the path reached (it stops at the first miss), a hit where it went on."""
+    while len(hits) < obs.drafted:
+        hits.append(_Mean())
+    for d in range(min(obs.accepted + 1, obs.drafted)):
+        hits[d].add(1.0 if d < obs.accepted else 0.0, decay)
+
+
+def _pooled(hits: list[_Mean], prior: float, prior_weight: float) -> float:
+    """The rate over every depth, with `prior_weight` pseudo-samples of `prior`."""
+    total = sum(m.total for m in hits)
+    weight = sum(m.weight for m in hits)
+    return (total + prior_weight * prior) / (weight + prior_weight)
+
+
+@dataclass
+class PairEstimates:
+    """Acceptance and timings of one model pair and method, over every request (module docstring)."""
+
+    half_life: float = HALF_LIFE
+    _hits: list[_Mean] = field(default_factory=list)  # per depth: accepted (1) or not (0)
+    _wall: dict[int, _Mean] = field(default_factory=dict)  # per drafted length
+    _verify: dict[int, _Mean] = field(default_factory=dict)  # per verified positions n = k + 1
+    _draft_per_token: _Mean = field(default_factory=_Mean)
+    _overhead: _Mean = field(default_factory=_Mean)
+    since_speculative: int = 0  # the pair's iterations since one drafted (the probes' clock)
+
+    @property
+    def decay(self) -> float:
+        return 0.5 ** (1.0 / self.half_life)
+
+    def observe(self, obs: Observation) -> None:
+        """Fold in one iteration. Every estimate fades at each of the pair's iterations (not only
+        at those that update it), so a rarely measured quantity — T_q while the pair runs
+        target-only — is carried by its fresh samples once they come."""
+        k = obs.drafted
+        self.since_speculative = 0 if k > 0 else self.since_speculative + 1
+        decay = self.decay
+        for mean in (
+            *self._hits,
+            *self._wall.values(),
+            *self._verify.values(),
+            self._draft_per_token,
+            self._overhead,
+        ):
+            mean.fade(decay)
+        self._wall.setdefault(k, _Mean()).add(obs.wall_seconds)
+        if obs.verify_seconds > 0:
+            self._verify.setdefault(k + 1, _Mean()).add(obs.verify_seconds)
+        if k == 0:
+            return
+        _count_depths(self._hits, obs, 1.0)
+        if obs.draft_seconds > 0:
+            self._draft_per_token.add(obs.draft_seconds / k)
+        model = self._model_seconds(k, overhead=0.0)
+        if math.isfinite(model):
+            self._overhead.add(obs.wall_seconds - model)
+
+    def pooled_alpha(self) -> float:
+        return _pooled(self._hits, PRIOR_ALPHA, 1e-9 if self._hits else 1.0)
+
+    def alphas(self, k: int) -> list[float]:
+        """α_1..α_k: each depth's rate with DEPTH_PRIOR pseudo-samples of the pooled rate, so depths
+        seldom reached read as the pooled rate."""
+        pooled = self.pooled_alpha()
+        out = []
+        for d in range(k):
+            mean = self._hits[d] if d < len(self._hits) else _Mean()
+            out.append((mean.total + DEPTH_PRIOR * pooled) / (mean.weight + DEPTH_PRIOR))
+        return out
+
+    def target_seconds(self, n: int) -> float:
+        """T_p(n): a weighted least-squares line through the measured sizes (PRIOR_SLOPE through one)."""
+        points = [(size, m.value, m.weight) for size, m in self._verify.items() if m.weight > 0]
+        if not points:
+            return math.nan
+        if len({size for size, _, _ in points}) == 1:
+            size, t, _ = points[0]
+            return t / (1.0 + PRIOR_SLOPE * (size - 1)) * (1.0 + PRIOR_SLOPE * (n - 1))
+        w = sum(p[2] for p in points)
+        mx = sum(s * wt for s, _, wt in points) / w
+        my = sum(t * wt for _, t, wt in points) / w
+        sxx = sum(wt * (s - mx) ** 2 for s, _, wt in points)
+        slope = max(0.0, sum(wt * (s - mx) * (t - my) for s, t, wt in points) / sxx)
+        return max(1e-9, my + slope * (n - mx))
+
+    def _model_seconds(self, k: int, overhead: float) -> float:
+        t_q = self._draft_per_token.value if self._draft_per_token.weight > 0 else 0.0
+        return k * t_q + self.target_seconds(k + 1) + overhead
+
+    def weight(self, k: int) -> float:
+        wall = self._wall.get(k)
+        return wall.weight if wall is not None else 0.0
+
+    def iteration_seconds(self, k: int) -> float:
+        """W(k): measured where k ran recently enough, else the timed model (nan: nothing to go on)."""
+        if self.weight(k) >= MIN_WEIGHT:
+            return self._wall[k].value
+        if k == 0:
+            return self.target_seconds(1)
+        overhead = self._overhead.value if self._overhead.weight > 0 else 0.0
+        return self._model_seconds(k, overhead)
+
+    def summary(self) -> dict[str, float]:
+        """What the choices rest on (for logs)."""
+        return {
+            "alpha_1": self.alphas(1)[0],
+            "t_p1": self.target_seconds(1),
+            "t_q": self._draft_per_token.value,
+            "overhead": self._overhead.value,
+        }
+
+
+@dataclass
+class DraftLength:
+    """One request's draft length: its own acceptance, the pair's timings (module docstring)."""
+
+    pair: PairEstimates
+    k_max: int
+    start_k: int
+    probe_every: int = 64
+    explore_every: int = 32
+    opening: int = 2  # first iterations drafted whatever the pair says: the request's own acceptance
+    _hits: list[_Mean] = field(default_factory=list)
+    _current: int = 0
+    _since_decision: int = 0
+    _since_explore: int = 0
+
+    def __post_init__(self) -> None:
+        if self.k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+        self._current = max(0, min(self.start_k, self.k_max))
+        if any(math.isfinite(self.tokens_per_second(k)) for k in range(self.k_max + 1)):
+            # The pair has history: open at its best draft length (never 0: a request's own acceptance
+            # is only seen while it drafts — code may pay where the pair's prose did not), then
+            # decide after `opening` iterations.
+            self._current = max(range(1, self.k_max + 1), key=self._rate_or_zero)
+            self._since_decision = DECIDE_EVERY - self.opening
+
+    def observe(self, obs: Observation) -> None:
+        """Count the request's own iteration (the pair's estimates are fed separately)."""
+        self._since_decision += 1
+        self._since_explore += 1
+        if obs.drafted > 0:
+            _count_depths(self._hits, obs, 1.0)
+
+    def alphas(self, k: int) -> list[float]:
+        """The pair's per-depth profile α_d, scaled to this request's own pooled rate (itself with
+        REQUEST_PRIOR pseudo-samples of the pair's): code and prose differ mostly in level."""
+        pair_pooled = self.pair.pooled_alpha()
+        own = _pooled(self._hits, pair_pooled, REQUEST_PRIOR)
+        scale = own / pair_pooled if pair_pooled > 0 else 1.0
+        return [min(1.0, a * scale) for a in self.pair.alphas(k)]
+
+    def expected_tokens(self, k: int) -> float:
+        """E[tokens | k] = 1 + Σ_{i≤k} Π_{d≤i} α_d."""
+        tokens, reach = 1.0, 1.0
+        for alpha in self.alphas(k):
+            reach *= alpha
+            tokens += reach
+        return tokens
+
+    def tokens_per_second(self, k: int) -> float:
+        seconds = self.pair.iteration_seconds(k)
+        return self.expected_tokens(k) / seconds if seconds > 0 else math.nan
+
+    def _rate_or_zero(self, k: int) -> float:
+        rate = self.tokens_per_second(k)
+        return rate if math.isfinite(rate) else 0.0
+
+    def best(self) -> int:
+        """The k with the most tokens/s by the current estimates (the current k while unknown)."""
+        rates = {k: self.tokens_per_second(k) for k in range(self.k_max + 1)}
+        known = {k: r for k, r in rates.items() if math.isfinite(r)}
+        if not known:
+            return self._current
+        return max(known, key=lambda k: (known[k], -k))
+
+    def choose(self) -> int:
+        """The draft length of the next iteration (0: a target-only step).
+
+        Mostly the current choice, re-decided every DECIDE_EVERY iterations. Two exceptions keep
+        the estimates honest: at k = 0, a speculative probe once the pair (all its requests) ran
+        `probe_every` iterations without drafting — a probe costs the drafter's catch-up over the
+        context it skipped, so it is rare; and while drafting, every `explore_every` iterations, one
+        iteration at a neighbour (k ± 1, or 0) whose own measurement has faded, so the model never
+        rests on extrapolation alone.
+        """
+        current = self._current
+        if current == 0:
+            if self.pair.since_speculative >= self.probe_every:
+                return max(range(1, self.k_max + 1), key=self._rate_or_zero)
+        elif self._since_explore >= self.explore_every:
+            neighbours = {0, current - 1, current + 1} - {current}
+            stale = [k for k in neighbours if 0 <= k <= self.k_max and self.pair.weight(k) < MIN_WEIGHT]
+            if stale:
+                self._since_explore = 0
+                return min(stale, key=lambda k: (self.pair.weight(k), k))
+        if self._since_decision >= DECIDE_EVERY:
+            self._since_decision = 0
+            best = self.best()
+            current_rate = self.tokens_per_second(current)
+            if not math.isfinite(current_rate) or self.tokens_per_second(best) > SWITCH_GAIN * current_rate:
+                self._current = best
+        return self._current

@@ -1,0 +1,233 @@
+"""The draft-length controller on simulated iterations: it settles on the analytic optimum of the
+timed §7 formula, falls back to target-only when drafting cannot pay, and comes back when it can."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from orchestrator.adaptation import DraftLength, Observation, PairEstimates
+from specdec.theory import expected_tokens_per_iteration
+
+
+@dataclass
+class Workload:
+    """A simulated model pair: i.i.d. acceptance α, T_p(n) = t_p·(1 + slope·(n − 1)), T_q per token,
+    and a fixed overhead per iteration outside the model calls."""
+
+    alpha: float
+    t_p: float = 0.09
+    slope: float = 0.075
+    t_q: float = 0.03
+    overhead: float = 0.005
+    noise: float = 0.05
+
+    def target(self, n: int) -> float:
+        return self.t_p * (1.0 + self.slope * (n - 1))
+
+    def wall(self, k: int) -> float:
+        return k * self.t_q + self.target(k + 1) + self.overhead
+
+    def rate(self, k: int) -> float:
+        return expected_tokens_per_iteration(self.alpha, k) / self.wall(k)
+
+    def optimum(self, k_max: int) -> int:
+        return max(range(k_max + 1), key=self.rate)
+
+    def step(self, request: DraftLength, rng: random.Random) -> int:
+        """One iteration of `request`: its choice, simulated, fed to it and to its pair."""
+        k = request.choose()
+        accepted = 0
+        while accepted < k and rng.random() < self.alpha:
+            accepted += 1
+        jitter = lambda x: x * (1.0 + self.noise * (2.0 * rng.random() - 1.0))  # noqa: E731
+        observation = Observation(
+            drafted=k,
+            accepted=accepted,
+            wall_seconds=jitter(self.wall(k)),
+            verify_seconds=jitter(self.target(k + 1)),
+            draft_seconds=jitter(k * self.t_q),
+        )
+        request.pair.observe(observation)
+        request.observe(observation)
+        return k
+
+    def run(self, request: DraftLength, iterations: int, rng: random.Random) -> list[int]:
+        """Drive one long request for `iterations`; returns the k it chose each time."""
+        return [self.step(request, rng) for _ in range(iterations)]
+
+
+def settled(chosen: list[int], tail: int = 100) -> int:
+    """The k chosen most often over the last `tail` iterations."""
+    last = chosen[-tail:]
+    return max(set(last), key=last.count)
+
+
+@pytest.mark.parametrize(
+    "alpha, t_q, start_k",
+    [
+        (0.9, 0.01, 2),  # a cheap, accurate drafter: long drafts
+        (0.8, 0.02, 2),
+        (0.6, 0.015, 4),
+        (0.75, 0.03, 1),
+    ],
+)
+def test_settles_on_the_analytic_optimum(alpha: float, t_q: float, start_k: int) -> None:
+    work = Workload(alpha=alpha, t_q=t_q)
+    k_max = 8
+    best = work.optimum(k_max)
+    assert best > 0  # these workloads are meant to speculate
+    chosen = work.run(DraftLength(PairEstimates(), k_max=k_max, start_k=start_k), 600, random.Random(1))
+    k = settled(chosen)
+    # Noise may leave it on a neighbour whose rate is within a few percent of the optimum.
+    assert k == best or work.rate(k) >= 0.97 * work.rate(best), (
+        k,
+        best,
+        [work.rate(i) for i in range(k_max + 1)],
+    )
+    achieved = sum(work.rate(c) for c in chosen[-200:]) / 200
+    assert achieved >= 0.95 * work.rate(best)
+
+
+@pytest.mark.parametrize("alpha, t_q", [(0.5, 0.08), (0.3, 0.03), (0.85, 0.2)])
+def test_falls_back_to_target_only_when_drafting_cannot_pay(alpha: float, t_q: float) -> None:
+    """Small c (a slow drafter) or low acceptance: k = 0, with a probe every probe_every target-only steps."""
+    work = Workload(alpha=alpha, t_q=t_q)
+    assert work.optimum(8) == 0
+    chosen = work.run(DraftLength(PairEstimates(), k_max=8, start_k=2, probe_every=16), 600, random.Random(2))
+    assert settled(chosen, 200) == 0
+    speculative = sum(1 for k in chosen[-320:] if k > 0)
+    assert 0 < speculative <= 320 // 16 + 2  # the probes only
+    achieved = sum(work.rate(c) for c in chosen[-320:]) / 320
+    assert achieved >= 0.92 * work.rate(0)
+
+
+def test_returns_to_speculation_when_it_pays_again() -> None:
+    """The probes at k = 0 notice a drafter that became fast (say, its device was freed)."""
+    rng = random.Random(3)
+    slow, fast = Workload(alpha=0.8, t_q=0.2), Workload(alpha=0.8, t_q=0.01)
+    request = DraftLength(PairEstimates(), k_max=8, start_k=2)
+    assert settled(slow.run(request, 400, rng)) == 0
+    chosen = fast.run(request, 400, rng)
+    k = settled(chosen)
+    assert k > 0 and fast.rate(k) >= 0.97 * fast.rate(fast.optimum(8))
+
+
+def test_expected_tokens_matches_section_7_for_iid_acceptance() -> None:
+    request = DraftLength(PairEstimates(), k_max=8, start_k=2)
+    Workload(alpha=0.7).run(request, 2000, random.Random(4))  # mostly k = 2..3: depths 1..3 measured
+    for k in (1, 2, 3):
+        assert request.expected_tokens(k) == pytest.approx(expected_tokens_per_iteration(0.7, k), rel=0.08)
+
+
+def test_a_broken_estimate_misses_the_optimum() -> None:
+    """Negative check: with acceptance misread (every draft counted as rejected), the controller
+    cannot find the optimum of a workload where drafting pays — the tests above can fail."""
+    work = Workload(alpha=0.9, t_q=0.01)
+    request = DraftLength(PairEstimates(), k_max=8, start_k=2)
+    chosen = []
+    for _ in range(400):
+        k = request.choose()
+        chosen.append(k)
+        observation = Observation(
+            drafted=k,
+            accepted=0,
+            wall_seconds=work.wall(k),
+            verify_seconds=work.target(k + 1),
+            draft_seconds=k * work.t_q,
+        )
+        request.pair.observe(observation)
+        request.observe(observation)
+    assert settled(chosen) != work.optimum(8)
+
+
+def test_each_request_follows_its_own_acceptance() -> None:
+    """Requests share the pair's timings but not their acceptance: code that the drafter predicts
+    well drafts, prose that it does not runs target-only — side by side, interleaved."""
+    rng = random.Random(6)
+    code, prose = Workload(alpha=0.9, t_q=0.03), Workload(alpha=0.25, t_q=0.03)
+    assert code.optimum(8) > 0 and prose.optimum(8) == 0
+    pair = PairEstimates()
+    for _ in range(6):  # six pairs of 48-iteration requests
+        code_request = DraftLength(pair, k_max=8, start_k=2)
+        prose_request = DraftLength(pair, k_max=8, start_k=2)
+        chosen: dict[str, list[int]] = {"code": [], "prose": []}
+        for _ in range(48):
+            chosen["code"].append(code.step(code_request, rng))
+            chosen["prose"].append(prose.step(prose_request, rng))
+    assert settled(chosen["code"], 24) > 0
+    assert settled(chosen["prose"], 24) == 0
+
+
+def test_a_new_request_starts_where_the_pair_points() -> None:
+    pair = PairEstimates()
+    work = Workload(alpha=0.9, t_q=0.01)
+    work.run(DraftLength(pair, k_max=8, start_k=2), 300, random.Random(7))
+    assert DraftLength(pair, k_max=8, start_k=2).choose() >= 5
+
+
+def test_rejects_a_bad_k_max() -> None:
+    with pytest.raises(ValueError, match="k_max"):
+        DraftLength(PairEstimates(), k_max=0, start_k=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# through the loop: real tiny engines, one of them slowed down by a sleep per forward pass
+
+
+def _slowed(path, seconds: float):
+    from specdec.runtime.loading import load_model
+
+    loaded = load_model(path, threads=1)
+    if seconds:
+        loaded.model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+    return loaded
+
+
+def _orchestrator(model_dirs, draft: str, draft_sleep: float, target_sleep: float, **config):
+    from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.speculation import Orchestrator
+    from specdec.engine.drafter import DrafterEngine
+    from specdec.engine.verifier import VerifierEngine
+
+    drafter = DrafterEngine(_slowed(model_dirs[draft], draft_sleep))
+    verifier = VerifierEngine(_slowed(model_dirs["target"], target_sleep))
+    return Orchestrator(
+        InProcessDrafterClient(drafter),
+        InProcessVerifierClient(verifier),
+        OrchestratorConfig(pipeline=False, **config),
+    )
+
+
+def _request(n: int, **fields):
+    from specdec.generation import GenerationRequest
+
+    return GenerationRequest(prompt_ids=[1, 2, 3], max_new_tokens=n, stop_token_ids=[], **fields)
+
+
+async def test_a_slow_drafter_turns_requests_target_only(model_dirs) -> None:
+    orch = _orchestrator(model_dirs, "draft", draft_sleep=0.06, target_sleep=0.01, adaptive_probe_every=16)
+    result = await orch.generate(_request(48))
+    methods = [r.method for r in result.iterations]
+    assert methods[:4] == ["token"] * 4  # default_k until the first decision
+    later = methods[12:]
+    assert later and later.count("autoregressive") >= 0.8 * len(later), methods
+    assert len(result.token_ids) == 48
+    # A seeded request, or one naming k, keeps its k: replay must not depend on timings.
+    seeded = await orch.generate(_request(12, seed=3))
+    assert all(r.method == "token" and r.k == 2 for r in seeded.iterations)
+    fixed = await orch.generate(_request(12, k=3))
+    assert all(r.method == "token" and r.k == 3 for r in fixed.iterations)
+
+
+async def test_an_exact_drafter_gets_longer_drafts(model_dirs) -> None:
+    """The drafter is the target's own weights (every draft accepted) and costs nothing next to a
+    slow target: the longest allowed draft wins."""
+    orch = _orchestrator(model_dirs, "target", draft_sleep=0.0, target_sleep=0.03, max_k=6)
+    result = await orch.generate(_request(100))
+    ks = [r.k for r in result.iterations]
+    assert ks[:4] == [2] * 4 and ks[-1] == 6, ks
