@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from specdec.engine.drafter import DrafterEngine
+from specdec.engine.verifier import VerifierEngine
 from specdec.runtime.loading import load_model
 from specdec.runtime.tiny import save_tiny_model
 
@@ -44,3 +46,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def drafter(draft_model):
+    return DrafterEngine(draft_model)
+
+
+@pytest.fixture
+def verifier(target_model):
+    return VerifierEngine(target_model)

@@ -91,3 +91,9 @@ def speculate(
         stats.draft_reused.append(draft.reused_tokens)
         stats.verify_reused.append(outcome.reused_tokens)
     return committed[len(prompt) : len(prompt) + max_new], stats
+
+
+def committed_of(engine: VerifierEngine, session_id: str) -> list[int]:
+    """The tokens the engine holds as committed for a session."""
+    with engine.sessions.use(session_id, 1) as session:
+        return list(session.committed)

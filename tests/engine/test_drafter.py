@@ -7,7 +7,6 @@ import torch
 
 from specdec.drafting import draft_tree
 from specdec.engine.api import ContextTooLong, DraftRequest, InvalidRequest, SessionGone
-from specdec.engine.drafter import DrafterEngine
 from specdec.randomness import TorchRandomSource
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import DraftTree, optimal_tree_shape
@@ -15,10 +14,6 @@ from specdec.trees import DraftTree, optimal_tree_shape
 PROMPT = [1, 2, 3, 4, 5]
 T1 = SamplingParams(temperature=1.0)
 
-
-@pytest.fixture
-def drafter(draft_model):
-    return DrafterEngine(draft_model)
 
 
 def plain_row(model, sequence: list[int], sampling: SamplingParams) -> torch.Tensor:

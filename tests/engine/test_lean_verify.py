@@ -8,30 +8,17 @@ import pytest
 import torch
 
 from specdec.engine.api import DraftRequest, InvalidRequest, VerifyRequest
-from specdec.engine.drafter import DrafterEngine
-from specdec.engine.verifier import VerifierEngine
 from specdec.sampling import SamplingParams
 from specdec.trees import DraftTree, optimal_tree_shape
 from specdec.verification.base import MethodParams
 from specdec.verification.lean import token_probs
+from tests.engine.helpers import committed_of
 
 T1 = SamplingParams(temperature=1.0)
 PROMPT = [1, 2, 3]
 
 
-@pytest.fixture
-def drafter(draft_model):
-    return DrafterEngine(draft_model)
 
-
-@pytest.fixture
-def verifier(target_model):
-    return VerifierEngine(target_model)
-
-
-def committed_of(engine: VerifierEngine, session_id: str) -> list[int]:
-    with engine.sessions.use(session_id, 1) as session:
-        return list(session.committed)
 
 
 def request(session: str, tokens, parents, method: str, params: MethodParams, **draft) -> VerifyRequest:

@@ -8,14 +8,12 @@ import pytest
 import torch
 
 from specdec.engine.api import ContextTooLong, InvalidRequest, ScoreRequest, SessionGone, VerifyRequest
-from specdec.engine.drafter import DrafterEngine
-from specdec.engine.verifier import VerifierEngine
 from specdec.races import race, race_winner
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import optimal_tree_shape
 from specdec.verification.base import MethodParams
 
-from .helpers import speculate
+from .helpers import committed_of, speculate
 
 PROMPTS = [[1, 2, 3], [4], [0, 5, 6, 7, 1]]
 GREEDY = SamplingParams(temperature=0.0)
@@ -23,19 +21,7 @@ T1 = SamplingParams(temperature=1.0)
 TREE = optimal_tree_shape([0.5, 0.3, 0.1], 7)
 
 
-@pytest.fixture
-def drafter(draft_model):
-    return DrafterEngine(draft_model)
 
-
-@pytest.fixture
-def verifier(target_model):
-    return VerifierEngine(target_model)
-
-
-def committed_of(engine, session_id: str) -> list[int]:
-    with engine.sessions.use(session_id, 1) as session:
-        return list(session.committed)
 
 
 def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
