@@ -58,32 +58,12 @@ def category_prompts(per_category: int) -> dict[str, list[Any]]:
 
 
 def hf_run(target, draft, ids: list[int], max_new_tokens: int, seed: int) -> float:
-    """Tokens per second of HF generate (assisted when `draft` is given), T = 1, no truncation."""
-    import torch
-    from transformers import GenerationConfig
+    """Tokens per second of HF generate (assisted when `draft` is given): bench.run's HF runner with
+    its sampling defaults (T = 1, no top-k/top-p, no stop tokens)."""
+    from bench.run import BenchSettings, run_hf
 
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        eos_token_id=[],
-        pad_token_id=0,
-    )
-    kwargs: dict[str, Any] = {}
-    if draft is not None:
-        draft.model.generation_config = config
-        kwargs["assistant_model"] = draft.model
-    tensor = torch.tensor([ids])
-    torch.manual_seed(seed)
-    began = time.perf_counter()
-    with torch.no_grad():
-        out = target.model.generate(
-            tensor, attention_mask=torch.ones_like(tensor), generation_config=config, **kwargs
-        )
-    return (int(out.shape[1]) - len(ids)) / (time.perf_counter() - began)
+    record = run_hf(target, draft, ids, BenchSettings(max_new_tokens=max_new_tokens), seed, draft is not None)
+    return record.tokens / record.seconds
 
 
 async def specdec_run(

@@ -49,14 +49,15 @@ SWITCH_GAIN = 1.03  # a new k must promise 3 % more tokens/s than the current on
 
 @dataclass
 class _Mean:
-    """A decaying mean Σ wᵢxᵢ / Σ wᵢ: `add` and `fade` multiply the old weights by `decay`."""
+    """A decaying mean Σ wᵢxᵢ / Σ wᵢ: `fade` multiplies the old weights by the decay, `add` gives
+    a new sample weight 1."""
 
     total: float = 0.0
     weight: float = 0.0
 
-    def add(self, value: float, decay: float = 1.0) -> None:
-        self.total = self.total * decay + value
-        self.weight = self.weight * decay + 1.0
+    def add(self, value: float) -> None:
+        self.total += value
+        self.weight += 1.0
 
     def fade(self, decay: float) -> None:
         self.total *= decay
@@ -78,12 +79,12 @@ class Observation:
     draft_seconds: float  # its drafter calls (those of a pre-draft ran in the iteration before)
 
 
-def _count_depths(hits: list[_Mean], obs: Observation, decay: float) -> None:
+def _count_depths(hits: list[_Mean], obs: Observation) -> None:
     """One trial per depth the path reached (it stops at the first miss), a hit where it went on."""
     while len(hits) < obs.drafted:
         hits.append(_Mean())
     for d in range(min(obs.accepted + 1, obs.drafted)):
-        hits[d].add(1.0 if d < obs.accepted else 0.0, decay)
+        hits[d].add(1.0 if d < obs.accepted else 0.0)
 
 
 def _pooled(hits: list[_Mean], prior: float, prior_weight: float) -> float:
@@ -129,7 +130,7 @@ class PairEstimates:
             self._verify.setdefault(k + 1, _Mean()).add(obs.verify_seconds)
         if k == 0:
             return
-        _count_depths(self._hits, obs, 1.0)
+        _count_depths(self._hits, obs)
         if obs.draft_seconds > 0:
             self._draft_per_token.add(obs.draft_seconds / k)
         model = self._model_seconds(k, overhead=0.0)
@@ -181,15 +182,6 @@ class PairEstimates:
         overhead = self._overhead.value if self._overhead.weight > 0 else 0.0
         return self._model_seconds(k, overhead)
 
-    def summary(self) -> dict[str, float]:
-        """What the choices rest on (for logs)."""
-        return {
-            "alpha_1": self.alphas(1)[0],
-            "t_p1": self.target_seconds(1),
-            "t_q": self._draft_per_token.value,
-            "overhead": self._overhead.value,
-        }
-
 
 @dataclass
 class DraftLength:
@@ -222,7 +214,7 @@ class DraftLength:
         self._since_decision += 1
         self._since_explore += 1
         if obs.drafted > 0:
-            _count_depths(self._hits, obs, 1.0)
+            _count_depths(self._hits, obs)
 
     def alphas(self, k: int) -> list[float]:
         """The pair's per-depth profile α_d, scaled to this request's own pooled rate (itself with

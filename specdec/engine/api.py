@@ -22,6 +22,7 @@ import torch
 
 from specdec.sampling import SamplingParams
 from specdec.verification.base import MethodParams
+from specdec.verification.lean import LeanDraft
 
 DRAFT_STRATEGIES = ("sample", "race")
 BOTH_DRAFT_FORMS = ("draft_probs: give the draft rows either full (draft_probs) or lean (draft_token_probs, "
@@ -164,6 +165,15 @@ class VerifyRequest:
     def lean(self) -> bool:
         """Whether the request uses the lean form (an empty one carries no draft at all)."""
         return bool(self.draft_token_probs or self.draft_row_indices) or self.draft_row_values is not None
+
+    def lean_draft(self) -> LeanDraft | None:
+        """The lean form as a LeanDraft (None: the request uses the full form or none); a request
+        that uses both forms is refused. Its form is checked by lean.check_lean."""
+        if not self.lean:
+            return None
+        if self.draft_probs is not None:
+            raise InvalidRequest(BOTH_DRAFT_FORMS)
+        return LeanDraft(tuple(self.draft_token_probs), tuple(self.draft_row_indices), self.draft_row_values)
 
 
 @dataclass

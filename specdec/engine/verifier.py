@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.engine.api import (
-    BOTH_DRAFT_FORMS,
     InvalidRequest,
     ModelInfo,
     ScoreRequest,
@@ -253,20 +252,16 @@ class VerifierEngine:
     def _draft_rows(self, request: VerifyRequest, method: Method, tree: DraftTree) -> DraftRows:
         """The request's draft rows (full or lean) where the method reads them, checked before any
         forward pass."""
-        lean = request.lean
-        if lean and request.draft_probs is not None:
-            raise InvalidRequest(BOTH_DRAFT_FORMS)
+        lean = request.lean_draft()
         vocab = self.loaded.info.vocab_size
         try:
             if not method.needs_rows(request.params, len(tree)):
                 return None
-            if lean:
-                draft = LeanDraft(tuple(request.draft_token_probs), tuple(request.draft_row_indices),
-                                  request.draft_row_values)
-                return check_lean(len(tree), draft, vocab)
+            if lean is not None:
+                return check_lean(len(tree), lean, vocab)
             return check_rows(tree, request.draft_probs, "draft", vocab)
         except VerificationError as exc:
-            raise InvalidRequest(f"{'lean draft' if lean else 'draft_probs'}: {exc}") from exc
+            raise InvalidRequest(f"{'lean draft' if lean is not None else 'draft_probs'}: {exc}") from exc
 
 
 def _to_device(draft: DraftRows, device: torch.device) -> DraftRows:

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from specdec.engine.api import (
-    BOTH_DRAFT_FORMS,
     DraftRequest,
     DraftResult,
     InvalidRequest,
@@ -43,7 +42,7 @@ from specdec.sampling import SamplingParams
 from specdec.trees import sequence_parents
 from specdec.verification.base import MethodParams
 from specdec.verification.errors import VerificationError
-from specdec.verification.lean import LeanDraft, check_lean
+from specdec.verification.lean import check_lean
 
 UINT64_MAX = 2**64 - 1
 MAX_TENSOR_DIMS = 8
@@ -340,10 +339,8 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> VerifyRequest:
         draft_row_indices=list(msg.draft_row_indices),
         draft_row_values=_optional_tensor(msg, "draft_row_values", "draft_row_values"),
     )
-    if req.lean:
-        if req.draft_probs is not None:
-            raise InvalidRequest(BOTH_DRAFT_FORMS)
-        lean = LeanDraft(tuple(req.draft_token_probs), tuple(req.draft_row_indices), req.draft_row_values)
+    lean = req.lean_draft()
+    if lean is not None:
         try:
             check_lean(len(req.tree_tokens), lean)
         except VerificationError as exc:

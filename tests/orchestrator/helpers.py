@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
+from pathlib import Path
 
 import torch
 from scipy.stats import chisquare
@@ -16,6 +18,7 @@ from orchestrator.speculation import Orchestrator
 from specdec.engine.api import ModelInfo, PeerUnavailable
 from specdec.generation import GenerationRequest
 from specdec.races import race, race_winner
+from specdec.runtime.loading import LoadedModel, load_model
 from specdec.sampling import SamplingParams, warp_logits
 
 # ------------------------------------------------------------------------------------------------
@@ -31,6 +34,15 @@ def make_run(prompt_ids: list[int] | None = None, config: OrchestratorConfig | N
     req = GenerationRequest(prompt_ids=list(prompt_ids or [1, 2, 3]), seed=request.pop("seed", 7), **request)
     return new_run(req, method=req.method, prompt_ids=list(req.prompt_ids or []),
                    rank_acceptance=list(config.rank_acceptance), config=config, target=TARGET_INFO)
+
+
+def slowed_model(path: Path, seconds: float) -> LoadedModel:
+    """A fresh one-thread load of `path` that sleeps `seconds` before each forward pass (0: none),
+    to give a tiny model the timing of a big one."""
+    loaded = load_model(path, threads=1)
+    if seconds:
+        loaded.model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+    return loaded
 
 
 # ------------------------------------------------------------------------------------------------

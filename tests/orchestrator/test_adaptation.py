@@ -4,13 +4,13 @@ timed §7 formula, falls back to target-only when drafting cannot pay, and comes
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
 import pytest
 
 from orchestrator.adaptation import DraftLength, Observation, PairEstimates
 from specdec.theory import expected_tokens_per_iteration
+from tests.orchestrator.helpers import slowed_model
 
 
 @dataclass
@@ -178,15 +178,6 @@ def test_rejects_a_bad_k_max() -> None:
 # through the loop: real tiny engines, one of them slowed down by a sleep per forward pass
 
 
-def _slowed(path, seconds: float):
-    from specdec.runtime.loading import load_model
-
-    loaded = load_model(path, threads=1)
-    if seconds:
-        loaded.model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
-    return loaded
-
-
 def _orchestrator(model_dirs, draft: str, draft_sleep: float, target_sleep: float, **config):
     from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
     from orchestrator.config import OrchestratorConfig
@@ -194,8 +185,8 @@ def _orchestrator(model_dirs, draft: str, draft_sleep: float, target_sleep: floa
     from specdec.engine.drafter import DrafterEngine
     from specdec.engine.verifier import VerifierEngine
 
-    drafter = DrafterEngine(_slowed(model_dirs[draft], draft_sleep))
-    verifier = VerifierEngine(_slowed(model_dirs["target"], target_sleep))
+    drafter = DrafterEngine(slowed_model(model_dirs[draft], draft_sleep))
+    verifier = VerifierEngine(slowed_model(model_dirs["target"], target_sleep))
     return Orchestrator(
         InProcessDrafterClient(drafter),
         InProcessVerifierClient(verifier),

@@ -23,9 +23,8 @@ from specdec.engine.api import InvalidRequest, SessionGone
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
 from specdec.generation import GenerationRequest
-from specdec.runtime.loading import load_model
 from specdec.sampling import SamplingParams
-from tests.orchestrator.helpers import FlakyDrafter, ForgetfulClient, hf_greedy, race_reference
+from tests.orchestrator.helpers import FlakyDrafter, ForgetfulClient, hf_greedy, race_reference, slowed_model
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLE = SamplingParams(temperature=1.0)
@@ -197,14 +196,8 @@ async def test_no_drafter_runs_target_only(make_orchestrator, loaded):
 
 @pytest.fixture
 def slow_engines(model_dirs):
-    sleep_s = 0.03
-
-    def slow(loaded_model):
-        loaded_model.model.register_forward_pre_hook(lambda module, args: __import__("time").sleep(sleep_s))
-        return loaded_model
-
-    return (DrafterEngine(slow(load_model(model_dirs["draft"], threads=1))),
-            VerifierEngine(slow(load_model(model_dirs["target"], threads=1))))
+    return (DrafterEngine(slowed_model(model_dirs["draft"], 0.03)),
+            VerifierEngine(slowed_model(model_dirs["target"], 0.03)))
 
 
 async def test_rd_no_draft_steps_overlap_drafter_and_verifier(slow_engines):
