@@ -61,6 +61,17 @@ AdaptiveKOpt = Annotated[bool | None, typer.Option(
         "measured acceptance and call times, down to 0 (target-only steps) when drafting cannot pay "
         "(--adaptive-k), or always the default k (--fixed-k). Default: $SPECDEC_ADAPTIVE_K, else "
         "adaptive."), show_default=False)]
+BatchingOpt = Annotated[bool, typer.Option(
+    "--batching/--no-batching", help=(
+        "Run the forward passes of concurrent calls from different sessions as one batched pass "
+        "(continuous batching; each session keeps its own KV cache and the verification math stays "
+        "per session, so outputs are unchanged). --no-batching runs engine calls one at a time."))]
+MaxBatchTokensOpt = Annotated[int, typer.Option(
+    "--max-batch-tokens", min=1, help="At most this many query positions (sessions x padded new tokens) "
+    "in one batched pass.")]
+BatchWindowOpt = Annotated[float, typer.Option(
+    "--batch-window-ms", min=0.0, max=1000.0, help="How long a pass waits for calls still on their way "
+    "before it starts (only while other calls are in flight).")]
 MaxSessionsOpt = Annotated[int, typer.Option("--max-sessions", help="KV-cache sessions kept (LRU).")]
 SessionTtlOpt = Annotated[float, typer.Option("--session-ttl", help="Seconds an idle session is kept.")]
 ReadyFileOpt = Annotated[Path | None, typer.Option(

@@ -46,12 +46,15 @@ from specdec.cli.observability import (
 )
 from specdec.cli.options import (
     AdaptiveKOpt,
+    BatchingOpt,
+    BatchWindowOpt,
     CoresOpt,
     DeviceOpt,
     DraftRowsOpt,
     DtypeOpt,
     HostOpt,
     LogLevelOpt,
+    MaxBatchTokensOpt,
     MaxMessageOpt,
     MaxSessionsOpt,
     ModelOpt,
@@ -65,6 +68,7 @@ from specdec.cli.options import (
 )
 from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
 from specdec.methods import METHOD_NAMES
+from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
 
 serve_app = typer.Typer(help="Run one service in the foreground (`specdec up` starts all three for you).",
                         no_args_is_help=True)
@@ -104,7 +108,7 @@ def _engine_and_server(role: str) -> tuple[Callable[..., Any], Callable[..., Any
 def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dtype: str,
                  threads: int | None, cores: str | None, max_message_mb: float, max_sessions: int,
                  session_ttl: float, ready_file: Path | None, log_level: str,
-                 observability: ObservabilityOptions) -> None:
+                 observability: ObservabilityOptions, batching: Any = None) -> None:
     """Load the model, build the engine and serve it (role: drafter | verifier) until a signal."""
     setup_logging(log_level)
     core_list = parse_cores(cores, "--cores")
@@ -121,7 +125,8 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
         with err.status(f"loading {role} model {path} …"):
             loaded = load_model(path, device=device, dtype=dtype, threads=threads)
         engine_class, start_server = _engine_and_server(role)
-        engine = engine_class(loaded, SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl))
+        engine = engine_class(loaded, SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl),
+                              batching=batching)
         obs = observability.setup(role)
         obs.watch_engine(engine)
     except CliError as exc:
@@ -131,6 +136,7 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
 
     async def main() -> None:
         server, bound = await start_server(engine, host, port, max_message_mb=max_message_mb,
+                                           max_workers=engine.batching.workers,
                                            interceptors=obs.server_interceptors,
                                            observers=obs.service_observers)
         info = loaded.info
@@ -168,12 +174,18 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         otlp_endpoint: OtlpEndpointOpt = None,
         metrics_port: MetricsPortOpt = None,
         metrics_host: MetricsHostOpt = "127.0.0.1",
+        batching: BatchingOpt = True,
+        max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
+        batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS,
     ) -> None:
+        from specdec.runtime.batch_config import BatchConfig
+
         observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
+        batch = BatchConfig(batching, max_batch_tokens, batch_window_ms)
         serve_engine(role, model=model, host=host, port=port, device=device, dtype=dtype, threads=threads,
                      cores=cores, max_message_mb=max_message_mb, max_sessions=max_sessions,
                      session_ttl=session_ttl, ready_file=ready_file, log_level=log_level,
-                     observability=observability)
+                     observability=observability, batching=batch)
 
     command.__name__ = command.__qualname__ = f"serve_{role}"
     command.__doc__ = summary

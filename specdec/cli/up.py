@@ -27,8 +27,11 @@ from specdec.cli.common import CliError, err, fail, resolve_model
 from specdec.cli.observability import MetricsHostOpt, ObservabilityOptions, OtlpEndpointOpt, TraceFileOpt
 from specdec.cli.options import (
     AdaptiveKOpt,
+    BatchingOpt,
+    BatchWindowOpt,
     DraftRowsOpt,
     DtypeOpt,
+    MaxBatchTokensOpt,
     MaxMessageOpt,
     MaxSessionsOpt,
     SessionTtlOpt,
@@ -37,6 +40,7 @@ from specdec.cli.options import (
     precision_line,
 )
 from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
+from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
 
 
 def up(
@@ -74,6 +78,9 @@ def up(
     max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
     max_sessions: MaxSessionsOpt = 16,
     session_ttl: SessionTtlOpt = 600.0,
+    batching: BatchingOpt = True,
+    max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
+    batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS,
     default_method: Annotated[str | None, typer.Option(
         "--default-method", help="Method of requests that name none. Default: token.", show_default=False)]
         = None,
@@ -132,7 +139,9 @@ def up(
     supervisor = processes.Supervisor(log_dir)
     supervisor.install_signal_handlers()
     common = ["--host", host, "--dtype", dtype, "--max-message-mb", str(max_message_mb),
-              "--max-sessions", str(max_sessions), "--session-ttl", str(session_ttl)]
+              "--max-sessions", str(max_sessions), "--session-ttl", str(session_ttl),
+              "--batching" if batching else "--no-batching", "--max-batch-tokens", str(max_batch_tokens),
+              "--batch-window-ms", str(batch_window_ms)]
 
     def engine_child(role: str, model: Path, role_port: int, device: str, cores, threads) -> processes.Child:
         args = [role, "--model", str(model), "--port", str(role_port), "--device", device, *common]

@@ -40,6 +40,7 @@ from specdec.engine.api import (
 from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
 from specdec.races import race
 from specdec.randomness import TorchRandomSource
+from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import prepare
@@ -58,11 +59,14 @@ class DrafterSession:
 
 class DrafterEngine:
     def __init__(
-        self, loaded: LoadedModel, sessions: SessionConfig | None = None, clock=time.monotonic
+        self, loaded: LoadedModel, sessions: SessionConfig | None = None, clock=time.monotonic,
+        batching: BatchConfig | None = None,
     ) -> None:
         self.loaded = loaded
+        self.batching = batching or BatchConfig()
         self._forward_lock = threading.Lock()  # one forward pass at a time on this model
-        self.sessions: SessionStore[DrafterSession] = SessionStore(self._new_session, sessions, clock)
+        self.sessions: SessionStore[DrafterSession] = SessionStore(
+            self._new_session, sessions, clock, size_of=lambda session: session.kv.physical_len())
 
     def _new_session(self) -> DrafterSession:
         return DrafterSession(kv=TreeKVCache(self.loaded.model, lock=self._forward_lock))

@@ -51,8 +51,11 @@ class SessionStore(Generic[S]):
         factory: Callable[[], S],
         config: SessionConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        size_of: Callable[[S], int] | None = None,
     ) -> None:
+        """size_of(state): KV-cache tokens a session holds (the memory budget counts them)."""
         self.factory = factory
+        self.size_of = size_of or (lambda state: 0)
         self.config = config or SessionConfig()
         self.clock = clock
         self._entries: OrderedDict[str, _Entry[S]] = OrderedDict()

@@ -38,6 +38,7 @@ from specdec.engine.api import (
 from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
 from specdec.methods import Method, verification_method
 from specdec.randomness import TorchRandomSource
+from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import TreeScore, commit_path, score_tree
@@ -78,13 +79,16 @@ class VerifierEngine:
         sessions: SessionConfig | None = None,
         clock=time.monotonic,
         verify_fn: Callable | None = None,
+        batching: BatchConfig | None = None,
     ) -> None:
         """`verify_fn` defaults to specdec.verification.dispatch.verify (tests may swap it)."""
         self.loaded = loaded
+        self.batching = batching or BatchConfig()
         self._verify = verify_fn or verify
         self._forward_lock = threading.Lock()  # one forward pass at a time on this model
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
-        self.sessions: SessionStore[VerifierSession] = SessionStore(self._new_session, sessions, clock)
+        self.sessions: SessionStore[VerifierSession] = SessionStore(
+            self._new_session, sessions, clock, size_of=lambda session: session.kv.physical_len())
         self.score_hits = 0  # verifies that used an earlier score's rows
         self.late_scores = 0  # scores ignored because their verify had already run
         self.draft_rows_requests = 0  # lean verifies answered with draft_rows_needed

@@ -1,0 +1,39 @@
+"""How engines batch forward passes across sessions (specdec.runtime.batching does it).
+
+Kept apart from the batcher so the CLI can read the defaults without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BATCH_TOKENS = 512
+DEFAULT_BATCH_WINDOW_MS = 2.0
+# Engine calls that may run at once in a batching engine's worker pool (each waits for its pass).
+BATCHING_WORKERS = 64
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How an engine batches the forward passes of concurrent calls from different sessions.
+
+    enabled: False runs every pass on its own, one engine call at a time (the pre-batching engine).
+    max_batch_tokens: at most this many query positions (sessions x their padded new tokens) in
+    one pass; a call that alone exceeds it runs alone. window_ms: how long a pass that could take
+    more work waits for calls still on their way (only while other calls are in flight).
+    """
+
+    enabled: bool = True
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    window_ms: float = DEFAULT_BATCH_WINDOW_MS
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if not 0 <= self.window_ms <= 1000:
+            raise ValueError(f"window_ms must lie in [0, 1000], got {self.window_ms}")
+
+    @property
+    def workers(self) -> int:
+        """Threads the engine's server should run calls in (1 = calls one at a time)."""
+        return BATCHING_WORKERS if self.enabled else 1
