@@ -77,6 +77,13 @@ class OrchestratorConfig(BaseSettings):
     max_tree_budget: int = Field(64, ge=1)
     max_new_tokens_limit: int = Field(4096, ge=1)
 
+    # Admission: at most this many requests run at once (each holds a KV session in both engines);
+    # later ones wait in arrival order for a slot, up to queue_timeout_s, then fail with Overloaded
+    # (RESOURCE_EXHAUSTED): a bounded queue instead of every request slowing down, or the engines
+    # evicting each other's sessions, under a burst.
+    max_active_requests: int = Field(64, ge=1)
+    queue_timeout_s: float = Field(60.0, ge=0.0)
+
     # After the drafter was unreachable, run target-only steps and retry it this often.
     drafter_retry_seconds: float = Field(1.0, ge=0.0)
     # None: in-memory store; "redis://host:port/db": Redis.

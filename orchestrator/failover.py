@@ -18,7 +18,7 @@ from typing import TypeVar
 from orchestrator.clients.base import DrafterClient
 from orchestrator.config import OrchestratorConfig
 from specdec.calibration import calibration_path, load_calibration
-from specdec.engine.api import InvalidRequest, ModelInfo, PeerUnavailable
+from specdec.engine.api import InvalidRequest, ModelInfo, Overloaded, PeerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,10 @@ B = TypeVar("B")
 
 
 class DrafterDown(Exception):
-    """The drafter could not be reached during an iteration (its PeerUnavailable, wrapped)."""
+    """The drafter could not be reached, or refused the call as Overloaded, during an iteration
+    (its error, wrapped): either way the run goes on target-only while the orchestrator backs off."""
 
-    def __init__(self, cause: PeerUnavailable) -> None:
+    def __init__(self, cause: PeerUnavailable | Overloaded) -> None:
         super().__init__(str(cause))
         self.cause = cause
 

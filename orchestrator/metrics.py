@@ -20,9 +20,14 @@ Orchestrator (OrchestratorMetrics, a LoopObserver: orchestrator.speculation call
   specdec_verify_busy_seconds_total{method}         time the verifier was busy
   specdec_overlap_seconds_total{method}             time both were busy (overlap ratio: / verify busy)
   specdec_iteration_overlap_ratio{method}           histogram of that ratio per iteration
+  specdec_admitted_requests                         requests holding a slot (at most --max-active-requests),
+                                                    read at scrape time (watch_orchestrator)
+  specdec_queued_requests                           requests waiting for a slot
+  specdec_rejected_requests_total                   requests refused (Overloaded) after --queue-timeout
+  specdec_request_slots                             the limit, --max-active-requests
 Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label role = drafter | verifier):
   specdec_engine_calls_total{role,rpc,outcome}      Draft / Lookahead / Score / Verify calls; outcome ok |
-                                                    session_gone | invalid | cancelled | error
+                                                    session_gone | invalid | overloaded | cancelled | error
   specdec_engine_call_seconds{role,rpc}             histogram of the engine call in its worker thread
   specdec_forward_seconds{role,rpc}                 histogram of model forward time per call
   specdec_verification_seconds{method}              histogram of the verification step (verifier)
@@ -30,7 +35,17 @@ Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label r
   specdec_active_sessions{role}                     sessions (KV caches) held, read at scrape time
   specdec_session_evictions_total{role}             sessions dropped by LRU or TTL
   specdec_session_expirations_total{role}           the TTL part of the evictions
+  specdec_session_budget_evictions_total{role}      the part made to keep the KV tokens within the budget
+  specdec_session_rejections_total{role}            calls refused (Overloaded): no room for a new session
+                                                    within --admission-timeout
+  specdec_session_waiting_calls{role}               calls waiting for room for a new session
+  specdec_kv_tokens{role}                           KV-cache tokens the sessions hold
+  specdec_kv_budget_tokens{role}                    the budget (--kv-cache-mb in tokens; 0 = none)
   specdec_sessions_created_total{role}, specdec_sessions_released_total{role}
+  specdec_batch_queue_depth{role}                   forward jobs waiting for a batched pass (batching on)
+  specdec_batches_total{role}                       batched forward passes run
+  specdec_batch_calls_total{role}                   forward jobs those passes served (/ batches = batch size)
+  specdec_batch_tokens_total{role}                  query positions in those passes, padding included
   specdec_score_hits_total, specdec_late_scores_total   verifier: early scores used / too late
   specdec_draft_rows_requests_total                 verifier: lean verifies that asked for draft rows
 and the process_* collector of prometheus-client. Each server serves its registry on /metrics
@@ -122,6 +137,12 @@ class OrchestratorMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.overlap_ratio = histogram("specdec_iteration_overlap_ratio", "Per iteration: overlap / verifier "
                                        "busy time.", "method", buckets=RATIO_BUCKETS)
+        self.admission = _StatsCollector(_ADMISSION_STATS)
+        registry.register(self.admission)
+
+    def watch_orchestrator(self, orchestrator: Any) -> None:
+        """Report orchestrator.admission_stats() (request slots: running, queued, refused) at every scrape."""
+        self.admission.add((), orchestrator.admission_stats)
 
     # LoopObserver
     def request_started(self, request_id: str, epoch: Callable[[float], float],
@@ -221,15 +242,15 @@ class EngineMetrics:
                                               "step (after the forward pass).", "method")
         self.reused_tokens = counter("specdec_reused_tokens", "Committed tokens whose KV entries were "
                                      "reused.", "role")
-        self.sessions = _SessionCollector()
+        self.sessions = _StatsCollector(_SESSION_STATS, label="role")
         registry.register(self.sessions)
 
     def observer(self, role: str) -> _EngineObserver:
         return _EngineObserver(self, role)
 
     def watch_engine(self, role: str, engine: Any) -> None:
-        """Report engine.stats() (sessions, evictions, …) under role at every scrape."""
-        self.sessions.add(role, engine)
+        """Report engine.stats() (sessions, evictions, KV tokens, batches, …) under role at every scrape."""
+        self.sessions.add((role,), engine.stats)
 
 
 class _EngineObserver:
@@ -261,13 +282,15 @@ class _EngineObserver:
 
 
 def call_outcome(error: BaseException | None) -> str:
-    """ok | session_gone (the caller resends its context: protocol, no failure) | invalid | cancelled
-    | error."""
+    """ok | session_gone (the caller resends its context: protocol, no failure) | invalid | overloaded
+    (no room for a new session: load, not a fault) | cancelled | error."""
     if error is None:
         return "ok"
     name = type(error).__name__
     if name == "SessionGone":
         return "session_gone"
+    if name == "Overloaded":
+        return "overloaded"
     if name == "CancelledError":
         return "cancelled"
     if isinstance(error, ValueError):  # InvalidRequest and the other bad-argument errors
@@ -275,11 +298,26 @@ def call_outcome(error: BaseException | None) -> str:
     return "error"
 
 
-# engine.stats() key → (metric name, help, type)
+# engine.stats() key → (metric name, help, type); an engine may report only some of the keys.
 _SESSION_STATS = {
     "active_sessions": ("specdec_active_sessions", "Sessions (KV caches) held by the engine.", "gauge"),
     "evictions": ("specdec_session_evictions", "Sessions dropped by LRU or TTL eviction.", "counter"),
     "expirations": ("specdec_session_expirations", "Sessions dropped after the TTL without use.", "counter"),
+    "budget_evictions": ("specdec_session_budget_evictions", "Idle sessions evicted to keep the KV tokens "
+                         "within the budget (--kv-cache-mb).", "counter"),
+    "rejections": ("specdec_session_rejections", "Calls refused with RESOURCE_EXHAUSTED: every session was "
+                   "busy and the budget full for --admission-timeout.", "counter"),
+    "waiting": ("specdec_session_waiting_calls", "Calls waiting for room for a new session.", "gauge"),
+    "kv_tokens": ("specdec_kv_tokens", "KV-cache tokens held by the sessions (as of their last call).",
+                  "gauge"),
+    "kv_budget_tokens": ("specdec_kv_budget_tokens", "KV-cache token budget of the sessions (--kv-cache-mb; "
+                         "0 = none).", "gauge"),
+    "queue_depth": ("specdec_batch_queue_depth", "Forward jobs waiting for a batched pass.", "gauge"),
+    "batches": ("specdec_batches", "Batched forward passes run.", "counter"),
+    "batch_calls": ("specdec_batch_calls", "Forward jobs served by batched passes (/ batches = mean batch "
+                    "size).", "counter"),
+    "batch_tokens": ("specdec_batch_tokens", "Query positions in batched passes, padding included.",
+                     "counter"),
     "created": ("specdec_sessions_created", "Sessions created.", "counter"),
     "released": ("specdec_sessions_released", "Sessions released by their caller.", "counter"),
     "score_hits": ("specdec_score_hits", "Verifies that used the rows of an early Score call.", "counter"),
@@ -289,22 +327,38 @@ _SESSION_STATS = {
 }
 
 
-class _SessionCollector(Collector):
-    """engine.stats() of each watched engine, read at scrape time (no bookkeeping in the engines' path)."""
+# orchestrator.admission_stats() key → (metric name, help, type)
+_ADMISSION_STATS = {
+    "active": ("specdec_admitted_requests", "Requests holding one of the --max-active-requests slots.",
+               "gauge"),
+    "waiting": ("specdec_queued_requests", "Requests waiting for a slot.", "gauge"),
+    "rejected": ("specdec_rejected_requests", "Requests refused with RESOURCE_EXHAUSTED after waiting "
+                 "--queue-timeout for a slot.", "counter"),
+    "limit": ("specdec_request_slots", "Requests that may run at once (--max-active-requests).", "gauge"),
+}
 
-    def __init__(self) -> None:
-        self._engines: dict[str, Any] = {}
+
+class _StatsCollector(Collector):
+    """Metrics read from stats() dicts at scrape time (no bookkeeping in the engines' or the loop's
+    path): `table` maps a key of the dicts to (metric name, help, gauge | counter). Keys a source
+    does not report are skipped, and a source that fails is left out of that scrape."""
+
+    def __init__(self, table: Mapping[str, tuple[str, str, str]], label: str | None = None) -> None:
+        self._table = table
+        self._labels = [label] if label else []
+        self._sources: dict[tuple[str, ...], Callable[[], Mapping[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def add(self, role: str, engine: Any) -> None:
+    def add(self, labels: tuple[str, ...], stats: Callable[[], Mapping[str, Any]]) -> None:
+        """Read stats() under these label values (one per label; a source added again replaces it)."""
         with self._lock:
-            self._engines[role] = engine
+            self._sources[labels] = stats
 
     def _families(self) -> dict[str, Any]:
         families = {}
-        for key, (name, text, kind) in _SESSION_STATS.items():
+        for key, (name, text, kind) in self._table.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            families[key] = family(name, text, labels=["role"])
+            families[key] = family(name, text, labels=self._labels)
         return families
 
     def describe(self) -> Iterator[Any]:
@@ -313,15 +367,15 @@ class _SessionCollector(Collector):
     def collect(self) -> Iterator[Any]:
         families = self._families()
         with self._lock:
-            engines = dict(self._engines)
-        for role, engine in engines.items():
+            sources = dict(self._sources)
+        for labels, stats in sources.items():
             try:
-                stats = engine.stats()
-            except Exception:  # a scrape must not fail because of one engine
+                values = stats()
+            except Exception:  # a scrape must not fail because of one source
                 continue
             for key, family in families.items():
-                if key in stats:
-                    family.add_metric([role], float(stats[key]))
+                if key in values:
+                    family.add_metric(list(labels), float(values[key]))
         yield from families.values()
 
 

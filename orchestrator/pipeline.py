@@ -61,7 +61,7 @@ from orchestrator import scheduling
 from orchestrator.accounting import bump_at
 from orchestrator.failover import DrafterDown
 from orchestrator.sessions import draft_rows
-from specdec.engine.api import DraftResult, PeerUnavailable, VerifyOutcome
+from specdec.engine.api import DraftResult, VerifyOutcome
 from specdec.trees import DraftTree, sequence_parents
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ def next_block(
 
 async def verify_and_look_ahead(
     run: Run, sessions: RunSessions, committed: list[int], tree: DraftTree, verify: Awaitable[VerifyOutcome],
-    *, next_k: int, timeline: Timeline, on_drafter_lost: Callable[[PeerUnavailable], None],
+    *, next_k: int, timeline: Timeline, on_drafter_lost: Callable[[Exception], None],
 ) -> VerifyOutcome:
     """Await `verify` (block n = tree after committed) while pre-drafting block n+1 of next_k
     tokens; keeps on `run.predraft` the block whose guess came true, if any."""

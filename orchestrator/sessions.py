@@ -33,6 +33,7 @@ from specdec.engine.api import (
     DraftResult,
     LookaheadRequest,
     LookaheadResult,
+    Overloaded,
     PeerUnavailable,
     ScoreRequest,
     SessionGone,
@@ -174,7 +175,7 @@ class RunSessions:
 
         try:
             return await timeline.timed("draft", settled_call(), op)
-        except PeerUnavailable as exc:
+        except (PeerUnavailable, Overloaded) as exc:  # an overloaded drafter is shed like a lost one
             raise DrafterDown(exc) from exc
 
     # verifier ----------------------------------------------------------------------------------

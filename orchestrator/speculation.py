@@ -17,9 +17,13 @@ mid-iteration) or a resumed request draws fresh, independent randomness for what
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,7 +38,14 @@ from orchestrator.output import absorb, context_full, text_delta
 from orchestrator.run import Run, Timeline, adaptable, check_prompt, check_request, new_run
 from orchestrator.sessions import RunSessions, draft_rows
 from orchestrator.store import Store, open_store
-from specdec.engine.api import DraftResult, InvalidRequest, ModelInfo, PeerUnavailable, VerifyOutcome
+from specdec.engine.api import (
+    DraftResult,
+    InvalidRequest,
+    ModelInfo,
+    Overloaded,
+    PeerUnavailable,
+    VerifyOutcome,
+)
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult, IterationRecord
 from specdec.methods import TARGET_ONLY_VERIFICATION, get_method
 from specdec.trees import DraftTree
@@ -52,6 +63,7 @@ class Orchestrator:
     on_iteration, if given, is called with every IterationRecord as soon as it is complete;
     the records are also on GenerationResult.iterations. observer, if given, is a
     orchestrator.tracing.LoopObserver (spans and metrics of requests, iterations and calls).
+    At most config.max_active_requests requests run at once (`admission`, RequestSlots).
     """
 
     def __init__(
@@ -76,6 +88,7 @@ class Orchestrator:
         self.draft_info: ModelInfo | None = None
         self._backoff = Backoff()
         self._estimates: dict[str, PairEstimates] = {}  # per model pair and method (adaptation.py)
+        self.admission = RequestSlots(self.config.max_active_requests, self.config.queue_timeout_s)
 
     # lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -105,32 +118,43 @@ class Orchestrator:
         return await _last_result(self.generate_stream(request))
 
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        if self.target_info is None:
-            await self.start()
-        run = await self._new_run(request)
-        async for chunk in self._drive(run):
-            yield chunk
+        """The request's chunks; it first waits for a request slot (Overloaded when none frees up in
+        time), held until the stream ends or is closed."""
+        async with self.admission.slot():
+            if self.target_info is None:
+                await self.start()
+            run = await self._new_run(request)
+            async for chunk in self._drive(run):
+                yield chunk
 
     async def resume(self, request_id: str) -> GenerationResult:
         """Continue a stored request from its stored tokens (a finished one is returned as is)."""
         return await _last_result(self.resume_stream(request_id))
 
     async def resume_stream(self, request_id: str) -> AsyncIterator[GenerationChunk]:
-        if self.target_info is None:
-            await self.start()
-        record = await self.store.get_request(request_id)
-        if record is None:
-            raise InvalidRequest(f"request_id: no stored request {request_id!r}")
-        run = Run.from_record(record)
-        if record.status == "done":
-            run.finish_reason = record.finish_reason or "length"
-            run.text = record.text
-            yield GenerationChunk([], "", run.result())
-            return
-        run.text = await self.verifier.decode(run.generated) if run.generated else ""
-        run.text_sent = len(run.text)
-        async for chunk in self._drive(run):
-            yield chunk
+        """As generate_stream, from a stored request (it takes a request slot the same way)."""
+        async with self.admission.slot():
+            if self.target_info is None:
+                await self.start()
+            record = await self.store.get_request(request_id)
+            if record is None:
+                raise InvalidRequest(f"request_id: no stored request {request_id!r}")
+            run = Run.from_record(record)
+            if record.status == "done":
+                run.finish_reason = record.finish_reason or "length"
+                run.text = record.text
+                yield GenerationChunk([], "", run.result())
+                return
+            run.text = await self.verifier.decode(run.generated) if run.generated else ""
+            run.text_sent = len(run.text)
+            async for chunk in self._drive(run):
+                yield chunk
+
+    def admission_stats(self) -> dict[str, int]:
+        """Requests running, waiting for a slot, refused so far, and the limit (read by /metrics)."""
+        slots = self.admission
+        return {"active": slots.active, "waiting": slots.waiting, "rejected": slots.rejected,
+                "limit": slots.limit}
 
     # request set-up ----------------------------------------------------------------------------
     async def _new_run(self, request: GenerationRequest) -> Run:
@@ -408,6 +432,70 @@ async def _rd_draft(
         rows = last if rows is None else torch.cat([rows[:heads], last.to(rows.dtype)])
     assert rows is not None
     return tree, rows
+
+
+class RequestSlots:
+    """Admission: at most `limit` requests hold a slot at once; the others wait in arrival order,
+    each for at most `timeout_s`, then get Overloaded. A freed slot passes straight to the first
+    waiter, so a newcomer never overtakes the queue. Used from one event loop."""
+
+    def __init__(self, limit: int, timeout_s: float) -> None:
+        if limit < 1:
+            raise ValueError(f"max_active_requests must be >= 1, got {limit}")
+        self.limit = limit
+        self.timeout_s = timeout_s
+        self.active = 0  # slots held
+        self.rejected = 0  # requests refused after waiting timeout_s
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold a slot for the body (released however the body ends)."""
+        await self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    async def acquire(self) -> None:
+        if self.active < self.limit and not self._waiters:
+            self.active += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await waiter
+        except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                return  # the slot was handed over just as the wait ran out: keep it
+            self._forget(waiter)
+            self.rejected += 1
+            raise Overloaded(
+                f"orchestrator busy: {self.active} requests running and {self.waiting} waiting (waited "
+                f"{self.timeout_s:g} s for a slot); retry later or raise --max-active-requests"
+            ) from None
+        except BaseException:  # cancelled while waiting: pass on a slot already handed over
+            self._forget(waiter)
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes on: `active` stays
+                return
+        self.active -= 1
+
+    def _forget(self, waiter: asyncio.Future[None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
 
 
 async def _last_result(stream: AsyncIterator[GenerationChunk]) -> GenerationResult:

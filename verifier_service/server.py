@@ -17,6 +17,7 @@ from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
     EngineServicer,
+    engine_workers,
     guarded,
     run_blocking,
     run_observed,
@@ -60,13 +61,13 @@ async def start_verifier_server(
     *,
     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-    max_workers: int = 1,
+    max_workers: int | None = None,
     observers: Sequence[Any] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """Start a VerifierService (+ health, reflection) for `engine`; returns (server, bound port).
 
-    max_workers: threads running engine calls. 1 serialises them (safe for any engine); raise it
-    only for an engine that is thread-safe across sessions. Stop with
+    max_workers: threads running engine calls; default: the engine's `batching.workers` (many for
+    a batching engine, whose calls share passes), else 1 (calls one at a time, safe for any engine). Stop with
     specdec.rpc.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
     observers: told about every engine call (tracing spans, metrics); see
     specdec.rpc.grpc_support.run_observed.
@@ -79,7 +80,7 @@ async def start_verifier_server(
         port,
         max_message_mb=max_message_mb,
         interceptors=interceptors,
-        max_workers=max_workers,
+        max_workers=max_workers if max_workers is not None else engine_workers(engine),
         thread_name_prefix="verifier-engine",
     )
 

@@ -72,8 +72,37 @@ MaxBatchTokensOpt = Annotated[int, typer.Option(
 BatchWindowOpt = Annotated[float, typer.Option(
     "--batch-window-ms", min=0.0, max=1000.0, help="How long a pass waits for calls still on their way "
     "before it starts (only while other calls are in flight).")]
-MaxSessionsOpt = Annotated[int, typer.Option("--max-sessions", help="KV-cache sessions kept (LRU).")]
-SessionTtlOpt = Annotated[float, typer.Option("--session-ttl", help="Seconds an idle session is kept.")]
+# Engine defaults, spelled out: the CLI starts without torch (specdec.engine.sessions.SessionConfig's and
+# orchestrator.config's defaults; a test checks they agree).
+DEFAULT_MAX_SESSIONS = 1024
+DEFAULT_KV_CACHE_MB = 2048.0
+DEFAULT_ADMISSION_TIMEOUT_S = 30.0
+DEFAULT_MAX_ACTIVE_REQUESTS = 64
+DEFAULT_QUEUE_TIMEOUT_S = 60.0
+MaxSessionsOpt = Annotated[int, typer.Option(
+    "--max-sessions", min=1, help="At most this many sessions (KV caches) kept, on top of the KV budget "
+    "(--kv-cache-mb, which usually binds first); idle ones are evicted least recently used first.")]
+SessionTtlOpt = Annotated[float, typer.Option(
+    "--session-ttl", help="Seconds an idle session is kept; a background sweep frees it after that (its "
+    "caller then resends the context).")]
+KvCacheOpt = Annotated[float, typer.Option(
+    "--kv-cache-mb", min=0.0, help=(
+        "Memory budget of the sessions' KV caches, per engine (MiB; 0 = no limit but --max-sessions), "
+        "turned into tokens from the model's layers, KV heads, head size and dtype. Idle sessions are "
+        "evicted least recently used first to stay within it; when only busy sessions hold it, a call that "
+        "needs a new session waits up to --admission-timeout, then gets RESOURCE_EXHAUSTED."))]
+AdmissionTimeoutOpt = Annotated[float, typer.Option(
+    "--admission-timeout", min=0.0, help="Seconds a call that needs a new session waits for room while "
+    "every session is busy and the KV budget or --max-sessions is full, before RESOURCE_EXHAUSTED.")]
+MaxActiveRequestsOpt = Annotated[int | None, typer.Option(
+    "--max-active-requests", min=1, help=(
+        "Requests the orchestrator runs at once; later ones wait in arrival order for up to "
+        "--queue-timeout, then get RESOURCE_EXHAUSTED. Default: $SPECDEC_MAX_ACTIVE_REQUESTS, else "
+        f"{DEFAULT_MAX_ACTIVE_REQUESTS}."), show_default=False)]
+QueueTimeoutOpt = Annotated[float | None, typer.Option(
+    "--queue-timeout", min=0.0, help=(
+        "Seconds a request waits for one of the --max-active-requests slots before RESOURCE_EXHAUSTED. "
+        f"Default: $SPECDEC_QUEUE_TIMEOUT_S, else {DEFAULT_QUEUE_TIMEOUT_S:g}."), show_default=False)]
 ReadyFileOpt = Annotated[Path | None, typer.Option(
     "--ready-file", help="Once serving, write JSON {address, host, port, pid, ...} to this file.",
     show_default=False)]

@@ -45,7 +45,11 @@ from specdec.cli.observability import (
     TraceFileOpt,
 )
 from specdec.cli.options import (
+    DEFAULT_ADMISSION_TIMEOUT_S,
+    DEFAULT_KV_CACHE_MB,
+    DEFAULT_MAX_SESSIONS,
     AdaptiveKOpt,
+    AdmissionTimeoutOpt,
     BatchingOpt,
     BatchWindowOpt,
     CoresOpt,
@@ -53,12 +57,15 @@ from specdec.cli.options import (
     DraftRowsOpt,
     DtypeOpt,
     HostOpt,
+    KvCacheOpt,
     LogLevelOpt,
+    MaxActiveRequestsOpt,
     MaxBatchTokensOpt,
     MaxMessageOpt,
     MaxSessionsOpt,
     ModelOpt,
     PortOpt,
+    QueueTimeoutOpt,
     ReadyFileOpt,
     SessionTtlOpt,
     ThreadsOpt,
@@ -69,6 +76,8 @@ from specdec.cli.options import (
 from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
 from specdec.methods import METHOD_NAMES
 from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
+
+MIB = 1024 * 1024
 
 serve_app = typer.Typer(help="Run one service in the foreground (`specdec up` starts all three for you).",
                         no_args_is_help=True)
@@ -105,10 +114,26 @@ def _engine_and_server(role: str) -> tuple[Callable[..., Any], Callable[..., Any
     return VerifierEngine, start_verifier_server
 
 
+def kv_budget_tokens(kv_cache_mb: float, model: Any) -> int | None:
+    """--kv-cache-mb as KV tokens of `model` (None for 0: no budget); CliError when not one fits."""
+    from specdec.engine.sessions import kv_bytes_per_token
+
+    if kv_cache_mb <= 0:
+        return None
+    per_token = kv_bytes_per_token(model)
+    tokens = int(kv_cache_mb * MIB // per_token)
+    if tokens < 1:
+        raise CliError(f"--kv-cache-mb {kv_cache_mb:g} holds no token of this model ({per_token} bytes of KV "
+                       "cache per token); raise it, or 0 for no limit")
+    return tokens
+
+
 def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dtype: str,
                  threads: int | None, cores: str | None, max_message_mb: float, max_sessions: int,
                  session_ttl: float, ready_file: Path | None, log_level: str,
-                 observability: ObservabilityOptions, batching: Any = None) -> None:
+                 observability: ObservabilityOptions, batching: Any = None,
+                 kv_cache_mb: float = DEFAULT_KV_CACHE_MB,
+                 admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S) -> None:
     """Load the model, build the engine and serve it (role: drafter | verifier) until a signal."""
     setup_logging(log_level)
     core_list = parse_cores(cores, "--cores")
@@ -125,8 +150,10 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
         with err.status(f"loading {role} model {path} …"):
             loaded = load_model(path, device=device, dtype=dtype, threads=threads)
         engine_class, start_server = _engine_and_server(role)
-        engine = engine_class(loaded, SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl),
-                              batching=batching)
+        max_kv_tokens = kv_budget_tokens(kv_cache_mb, loaded.model)
+        sessions = SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl,
+                                 max_kv_tokens=max_kv_tokens, admission_timeout_s=admission_timeout)
+        engine = engine_class(loaded, sessions, batching=batching)
         obs = observability.setup(role)
         obs.watch_engine(engine)
     except CliError as exc:
@@ -140,10 +167,11 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
                                            interceptors=obs.server_interceptors,
                                            observers=obs.service_observers)
         info = loaded.info
+        budget = f"{max_kv_tokens} KV tokens" if max_kv_tokens is not None else "no KV budget"
         await _announce_and_serve(
             server, bound, role=role, host=host, ready_file=ready_file, obs=obs,
-            serving=f"{escape(info.model_id)} (vocab {info.vocab_size}, {info.device})",
-            model_id=info.model_id, vocab_size=info.vocab_size)
+            serving=f"{escape(info.model_id)} (vocab {info.vocab_size}, {info.device}, {budget})",
+            model_id=info.model_id, vocab_size=info.vocab_size, kv_budget_tokens=max_kv_tokens)
 
     try:
         asyncio.run(main())
@@ -166,8 +194,10 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         threads: ThreadsOpt = None,
         cores: CoresOpt = None,
         max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
-        max_sessions: MaxSessionsOpt = 16,
+        max_sessions: MaxSessionsOpt = DEFAULT_MAX_SESSIONS,
         session_ttl: SessionTtlOpt = 600.0,
+        kv_cache_mb: KvCacheOpt = DEFAULT_KV_CACHE_MB,
+        admission_timeout: AdmissionTimeoutOpt = DEFAULT_ADMISSION_TIMEOUT_S,
         ready_file: ReadyFileOpt = None,
         log_level: LogLevelOpt = "info",
         trace_file: TraceFileOpt = None,
@@ -185,7 +215,8 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         serve_engine(role, model=model, host=host, port=port, device=device, dtype=dtype, threads=threads,
                      cores=cores, max_message_mb=max_message_mb, max_sessions=max_sessions,
                      session_ttl=session_ttl, ready_file=ready_file, log_level=log_level,
-                     observability=observability, batching=batch)
+                     observability=observability, batching=batch, kv_cache_mb=kv_cache_mb,
+                     admission_timeout=admission_timeout)
 
     command.__name__ = command.__qualname__ = f"serve_{role}"
     command.__doc__ = summary
@@ -226,6 +257,8 @@ def serve_orchestrator(
         "Default: $SPECDEC_STORE_URL, else in memory.", show_default=False)] = None,
     draft_rows: DraftRowsOpt = None,
     adaptive_k: AdaptiveKOpt = None,
+    max_active_requests: MaxActiveRequestsOpt = None,
+    queue_timeout: QueueTimeoutOpt = None,
     peer_timeout: Annotated[float, typer.Option(
         "--peer-timeout", help="Seconds to wait at startup for the verifier to answer.")] = 60.0,
     ready_file: ReadyFileOpt = None,
@@ -243,7 +276,8 @@ def serve_orchestrator(
     """
     setup_logging(log_level)
     try:
-        config = orchestrator_config(default_method, default_k, default_a, store_url, draft_rows, adaptive_k)
+        config = orchestrator_config(default_method, default_k, default_a, store_url, draft_rows, adaptive_k,
+                                     max_active_requests, queue_timeout)
         check_port_free(host, port, "--port")
         observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
         obs = observability.setup("orchestrator")
@@ -261,6 +295,8 @@ def serve_orchestrator(
         orchestrator = Orchestrator(GrpcDrafterClient(drafter, **client_options),
                                     GrpcVerifierClient(verifier, **client_options), config,
                                     observer=obs.loop_observer)
+        if obs._orchestrator_metrics is not None:  # request slots on /metrics (read at scrape time)
+            obs._orchestrator_metrics.watch_orchestrator(orchestrator)
         try:
             deadline = time.monotonic() + peer_timeout
             while True:

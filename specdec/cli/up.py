@@ -26,14 +26,21 @@ from orchestrator.processes import (
 from specdec.cli.common import CliError, err, fail, resolve_model
 from specdec.cli.observability import MetricsHostOpt, ObservabilityOptions, OtlpEndpointOpt, TraceFileOpt
 from specdec.cli.options import (
+    DEFAULT_ADMISSION_TIMEOUT_S,
+    DEFAULT_KV_CACHE_MB,
+    DEFAULT_MAX_SESSIONS,
     AdaptiveKOpt,
+    AdmissionTimeoutOpt,
     BatchingOpt,
     BatchWindowOpt,
     DraftRowsOpt,
     DtypeOpt,
+    KvCacheOpt,
+    MaxActiveRequestsOpt,
     MaxBatchTokensOpt,
     MaxMessageOpt,
     MaxSessionsOpt,
+    QueueTimeoutOpt,
     SessionTtlOpt,
     check_port_free,
     parse_cores,
@@ -76,8 +83,10 @@ def up(
         "--verifier-threads", help="torch threads of the verifier. Default: its number of cores.",
         show_default=False)] = None,
     max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
-    max_sessions: MaxSessionsOpt = 16,
+    max_sessions: MaxSessionsOpt = DEFAULT_MAX_SESSIONS,
     session_ttl: SessionTtlOpt = 600.0,
+    kv_cache_mb: KvCacheOpt = DEFAULT_KV_CACHE_MB,
+    admission_timeout: AdmissionTimeoutOpt = DEFAULT_ADMISSION_TIMEOUT_S,
     batching: BatchingOpt = True,
     max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
     batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS,
@@ -91,6 +100,8 @@ def up(
         show_default=False)] = None,
     draft_rows: DraftRowsOpt = None,
     adaptive_k: AdaptiveKOpt = None,
+    max_active_requests: MaxActiveRequestsOpt = None,
+    queue_timeout: QueueTimeoutOpt = None,
     startup_timeout: Annotated[float, typer.Option(
         "--startup-timeout", help="Seconds each service may take to load and pass its health check.")] =
         600.0,
@@ -141,7 +152,8 @@ def up(
     common = ["--host", host, "--dtype", dtype, "--max-message-mb", str(max_message_mb),
               "--max-sessions", str(max_sessions), "--session-ttl", str(session_ttl),
               "--batching" if batching else "--no-batching", "--max-batch-tokens", str(max_batch_tokens),
-              "--batch-window-ms", str(batch_window_ms)]
+              "--batch-window-ms", str(batch_window_ms), "--kv-cache-mb", str(kv_cache_mb),
+              "--admission-timeout", str(admission_timeout)]
 
     def engine_child(role: str, model: Path, role_port: int, device: str, cores, threads) -> processes.Child:
         args = [role, "--model", str(model), "--port", str(role_port), "--device", device, *common]
@@ -165,7 +177,9 @@ def up(
             args = ["orchestrator", "--drafter", drafter.address, "--verifier", verifier.address,
                     "--host", host, "--port", str(port), "--max-message-mb", str(max_message_mb)]
             for flag, value in (("--default-method", default_method), ("--default-k", default_k),
-                                ("--store-url", store_url), ("--draft-rows", draft_rows)):
+                                ("--store-url", store_url), ("--draft-rows", draft_rows),
+                                ("--max-active-requests", max_active_requests),
+                                ("--queue-timeout", queue_timeout)):
                 if value is not None:
                     args += [flag, str(value)]
             if adaptive_k is not None:

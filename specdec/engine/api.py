@@ -45,6 +45,12 @@ class PeerUnavailable(EngineError):
     """A service cannot be reached (→ UNAVAILABLE); the message names the address."""
 
 
+class Overloaded(EngineError):
+    """No room for the call within its wait: an engine's KV budget or session cap held only busy
+    sessions, or the orchestrator ran its maximum of requests (→ RESOURCE_EXHAUSTED). Retrying later
+    is safe: nothing was changed. The message says what was full and which limit to raise."""
+
+
 class ContextTooLong(InvalidRequest):
     """Sequence would exceed the model's context window (→ INVALID_ARGUMENT)."""
 

@@ -20,7 +20,6 @@ would use (seed, "draft", context length).
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +40,7 @@ from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_
 from specdec.races import race
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
+from specdec.runtime.batching import ForwardBatcher
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import prepare
@@ -64,12 +64,14 @@ class DrafterEngine:
     ) -> None:
         self.loaded = loaded
         self.batching = batching or BatchConfig()
-        self._forward_lock = threading.Lock()  # one forward pass at a time on this model
+        # Runs every session's passes; concurrent calls from different sessions share them.
+        self._batcher = ForwardBatcher(loaded.model, self.batching)
         self.sessions: SessionStore[DrafterSession] = SessionStore(
             self._new_session, sessions, clock, size_of=lambda session: session.kv.physical_len())
 
     def _new_session(self) -> DrafterSession:
-        return DrafterSession(kv=TreeKVCache(self.loaded.model, lock=self._forward_lock))
+        # The batcher runs one pass at a time on the model (no lock needed besides).
+        return DrafterSession(kv=TreeKVCache(self.loaded.model, runner=self._batcher))
 
     def info(self) -> ModelInfo:
         return self.loaded.info
@@ -78,14 +80,14 @@ class DrafterEngine:
         return self.sessions.release(session_id)
 
     def stats(self) -> dict[str, int]:
-        """Counters for metrics: active_sessions, evictions (LRU + TTL), expirations, created, released."""
-        return self.sessions.stats()
+        """Counters for metrics: the session store's (sessions, evictions, …) and the batcher's."""
+        return {**self.sessions.stats(), **self._batcher.counters()}
 
     # ------------------------------------------------------------------------------------------
     def draft(self, request: DraftRequest) -> DraftResult:
         shape = _check_request(request)
         vocab = self.loaded.info.vocab_size
-        with self.sessions.use(request.session_id, request.base_len) as session:
+        with self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member():
             committed = advance(session.committed, request.session_id, request.base_len, request.append)
             check_tokens("append", request.append, vocab)
             check_context(len(committed) + max_depth(shape), self.loaded.info.max_context)
@@ -201,7 +203,7 @@ class DrafterEngine:
     def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
         _check_lookahead(request)
         info = self.loaded.info
-        with self.sessions.use(request.session_id, request.base_len) as session:
+        with self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member():
             context = advance(session.committed, request.session_id, request.base_len, request.append)
             check_tokens("append", request.append, info.vocab_size)
             if request.rejection_guesses and len(context) < 2:

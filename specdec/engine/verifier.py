@@ -39,6 +39,7 @@ from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_
 from specdec.methods import Method, verification_method
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
+from specdec.runtime.batching import ForwardBatcher
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import TreeScore, commit_path, score_tree
@@ -84,8 +85,9 @@ class VerifierEngine:
         """`verify_fn` defaults to specdec.verification.dispatch.verify (tests may swap it)."""
         self.loaded = loaded
         self.batching = batching or BatchConfig()
+        # Runs every session's passes; concurrent calls from different sessions share them.
+        self._batcher = ForwardBatcher(loaded.model, self.batching)
         self._verify = verify_fn or verify
-        self._forward_lock = threading.Lock()  # one forward pass at a time on this model
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         self.sessions: SessionStore[VerifierSession] = SessionStore(
             self._new_session, sessions, clock, size_of=lambda session: session.kv.physical_len())
@@ -94,7 +96,8 @@ class VerifierEngine:
         self.draft_rows_requests = 0  # lean verifies answered with draft_rows_needed
 
     def _new_session(self) -> VerifierSession:
-        return VerifierSession(kv=TreeKVCache(self.loaded.model, lock=self._forward_lock))
+        # The batcher runs one pass at a time on the model (no lock needed besides).
+        return VerifierSession(kv=TreeKVCache(self.loaded.model, runner=self._batcher))
 
     # plain calls ----------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -104,8 +107,9 @@ class VerifierEngine:
         return self.sessions.release(session_id)
 
     def stats(self) -> dict[str, int]:
-        """Counters for metrics: active_sessions, evictions (LRU + TTL), expirations, created, released."""
-        stats = self.sessions.stats()
+        """Counters for metrics: the session store's (sessions, evictions, …), the batcher's, and
+        score reuse / lean-row requests."""
+        stats = {**self.sessions.stats(), **self._batcher.counters()}
         stats.update(score_hits=self.score_hits, late_scores=self.late_scores,
                      draft_rows_requests=self.draft_rows_requests)
         return stats
@@ -135,7 +139,7 @@ class VerifierEngine:
         """Run the forward pass for (committed + tree) now; returns when its rows are parked."""
         tree = self._tree(request.tree_tokens, request.tree_parents)
         _check_sampling(request.sampling)
-        with self.sessions.use(request.session_id, request.base_len) as session:
+        with self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member():
             committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
             key = _key(committed, tree)
             if session.last_verified == key:
@@ -160,7 +164,7 @@ class VerifierEngine:
         if not isinstance(request.params, MethodParams):
             raise InvalidRequest("params must be a MethodParams")
         draft = self._draft_rows(request, method, tree)
-        with self.sessions.use(request.session_id, request.base_len) as session:
+        with self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member():
             committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
             key = _key(committed, tree)
             scored, session.scored = session.scored, None

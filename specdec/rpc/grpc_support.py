@@ -3,13 +3,17 @@
 Error mapping (server side), the same for every service:
   SessionGone                                        → FAILED_PRECONDITION (resend the context)
   PeerUnavailable (an orchestrator lost its verifier) → UNAVAILABLE
+  Overloaded (an engine's KV budget or session cap, or the orchestrator's request slots, full)
+                                                     → RESOURCE_EXHAUSTED "overloaded: …" (retry later)
   InvalidRequest / SamplingParamsError / VerificationError / other ValueError
                                                      → INVALID_ARGUMENT (message names the field)
   other EngineError                                  → INTERNAL with a short message
   anything else                                      → INTERNAL "internal error" (logged here,
                                                        never a stack trace to the client)
 Clients map the codes back (error_from_status) so the orchestrator sees the same exceptions
-on both transports.
+on both transports. RESOURCE_EXHAUSTED has two causes: Overloaded (its details start with
+OVERLOADED_PREFIX; back to Overloaded) and a message over the size limit (grpc's own status;
+RemoteError with a hint to raise max_message_mb).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
-from specdec.engine.api import EngineError, InvalidRequest, PeerUnavailable, SessionGone
+from specdec.engine.api import EngineError, InvalidRequest, Overloaded, PeerUnavailable, SessionGone
 from specdec.rpc import convert
 from specdec.rpc.v1 import common_pb2
 
@@ -40,6 +44,9 @@ log = logging.getLogger(__name__)
 
 MB = 1024 * 1024
 MAX_DETAIL_CHARS = 300
+# Starts the details of the RESOURCE_EXHAUSTED status an Overloaded becomes: tells it apart from
+# grpc's own RESOURCE_EXHAUSTED (message too large), which never starts so.
+OVERLOADED_PREFIX = "overloaded: "
 T = TypeVar("T")
 
 
@@ -71,6 +78,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, _short(str(exc) or "session gone; resend the context")
     if isinstance(exc, PeerUnavailable):
         return grpc.StatusCode.UNAVAILABLE, _short(str(exc))
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, _short(OVERLOADED_PREFIX + (str(exc) or "retry later"))
     if isinstance(exc, ValueError):  # InvalidRequest, SamplingParamsError, VerificationError
         return grpc.StatusCode.INVALID_ARGUMENT, _short(str(exc) or type(exc).__name__)
     if isinstance(exc, EngineError):
@@ -276,6 +285,11 @@ async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> N
         await asyncio.wait({done_task}, timeout=grace_s + 5.0)
 
 
+def engine_workers(engine: Any) -> int:
+    """Worker threads an engine's calls should run in: its batching config's, else 1."""
+    return int(getattr(getattr(engine, "batching", None), "workers", 1))
+
+
 async def start_engine_server(
     make_servicer: Callable[[Executor], Any],
     add_to_server: Callable[[Any, grpc.aio.Server], None],
@@ -331,6 +345,8 @@ def error_from_status(code: grpc.StatusCode, details: str | None, address: str) 
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if details.startswith(OVERLOADED_PREFIX):
+            return Overloaded(f"{address}: {details.removeprefix(OVERLOADED_PREFIX)}")
         return RemoteError(code, f"{details} (raise max_message_mb on both sides if a message is too large)",
                            address)
     return RemoteError(code, details, address)

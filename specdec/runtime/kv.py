@@ -16,8 +16,10 @@ drops the rest; `truncate(n)` rolls back to a shorter prefix. No accepted token 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -28,12 +30,50 @@ class CacheError(RuntimeError):
     """Inconsistent use of the cache (a bug in the caller, not a bad request)."""
 
 
+@dataclass
+class ExtendPlan:
+    """One extension of a cache, worked out before it runs (alone or in a batched pass)."""
+
+    tokens: list[int]
+    parents: list[int]
+    rows_from: int
+    allowed: torch.Tensor  # bool [n_new, cached entries + n_new]: which entries each new one sees
+    positions: list[int]  # position id of each new entry
+    visible: torch.Tensor  # the block's ancestor-or-self matrix once the entries are in
+    depths: list[int]  # depth of every block entry once the entries are in
+
+
+class ForwardRunner(Protocol):
+    """Runs caches' passes for them (specdec.runtime.batching.ForwardBatcher)."""
+
+    def extend(self, kv: TreeKVCache, plan: ExtendPlan) -> torch.Tensor: ...
+
+    def alone(self, run: Callable[[], None]) -> None: ...
+
+
+def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
+    """Device of the model and the float dtype its attention masks use."""
+    parameter = next(model.parameters())
+    return parameter.device, parameter.dtype
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `allowed`, the dtype's most negative value elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 class TreeKVCache:
-    def __init__(self, model, lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self, model, lock: threading.Lock | None = None, runner: ForwardRunner | None = None
+    ) -> None:
         from transformers import DynamicCache
 
         self.model = model
         self.lock = lock  # held around forward passes (one pass at a time per model) when given
+        # Runs this cache's passes, possibly batched with other caches' (specdec.runtime.batching);
+        # None: each pass runs here, under `lock`.
+        self.runner = runner
         self.cache = DynamicCache(config=model.config)
         self.prefix: list[int] = []
         self.block_tokens: list[int] = []
@@ -140,8 +180,16 @@ class TreeKVCache:
 
         `parents[j]` is a block entry index (an existing one, or a new one earlier in this call)
         or -1 for the prefix's end. Only the logits of the new entries from `rows_from` on are
-        projected to the vocabulary (long committed chains need just their last row).
+        projected to the vocabulary (long committed chains need just their last row). With a
+        runner (specdec.runtime.batching) the pass may be shared with other sessions' caches.
         """
+        plan = self.plan(tokens, parents, rows_from)
+        logits = self.runner.extend(self, plan) if self.runner is not None else self.forward(plan)
+        self.apply(plan)
+        return logits
+
+    def plan(self, tokens: Sequence[int], parents: Sequence[int], rows_from: int = 0) -> ExtendPlan:
+        """Check an extension and work out its attention mask and positions (nothing runs yet)."""
         n_new = len(tokens)
         if n_new == 0 or len(parents) != n_new:
             raise CacheError(
@@ -165,34 +213,56 @@ class TreeKVCache:
             if parent >= 0:
                 visible[entry] |= visible[parent]
             depths.append(1 if parent < 0 else depths[parent] + 1)
-
         prefix_len = self.prefix_len
-        device = next(self.model.parameters()).device
-        dtype = next(self.model.parameters()).dtype
         allowed = torch.cat(
             [torch.ones((n_new, prefix_len), dtype=torch.bool), visible[old_b:new_b, :new_b]], dim=1
         )
-        # Additive float mask: eager attention adds it to the scores, sdpa accepts it as is.
-        mask = torch.zeros(allowed.shape, dtype=dtype)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        positions = torch.tensor([prefix_len + d - 1 for d in depths[old_b:]], dtype=torch.long)
-        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        positions = [prefix_len + d - 1 for d in depths[old_b:]]
+        return ExtendPlan([int(t) for t in tokens], [int(p) for p in parents], rows_from, allowed,
+                          positions, visible, depths)
+
+    def forward(self, plan: ExtendPlan) -> torch.Tensor:
+        """Run `plan` on this cache alone (appending its entries); logits of rows rows_from.. [m, V]."""
+        device, dtype = model_device_dtype(self.model)
+        n_new = len(plan.tokens)
         with self.lock or nullcontext(), torch.no_grad():
             out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask[None, None].to(device),
-                position_ids=positions[None].to(device),
+                input_ids=torch.tensor([plan.tokens], dtype=torch.long, device=device),
+                # Additive float mask: eager attention adds it to the scores, sdpa accepts it as is.
+                attention_mask=additive_mask(plan.allowed, dtype)[None, None].to(device),
+                position_ids=torch.tensor([plan.positions], dtype=torch.long, device=device),
                 past_key_values=self.cache,
                 use_cache=True,
-                logits_to_keep=n_new - rows_from,
+                logits_to_keep=n_new - plan.rows_from,
             )
-        self.block_tokens.extend(int(t) for t in tokens)
-        self.block_parents.extend(int(p) for p in parents)
-        self._block_depths = depths
-        self._block_visible = visible
-        if self.physical_len() != prefix_len + new_b:
-            raise CacheError("the model did not append one cache entry per input token")
         return out.logits[0].float()
+
+    def apply(self, plan: ExtendPlan) -> None:
+        """Record the entries a pass appended for `plan` (after `forward` or a batched pass)."""
+        self.block_tokens.extend(plan.tokens)
+        self.block_parents.extend(plan.parents)
+        self._block_depths = plan.depths
+        self._block_visible = plan.visible
+        if self.physical_len() != self.prefix_len + self.block_len:
+            raise CacheError("the model did not append one cache entry per input token")
+
+    def layer_states(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Keys and values [1, heads, entries, dim] per layer (None where a layer holds nothing yet)."""
+        return [
+            (layer.keys, layer.values) if getattr(layer, "keys", None) is not None and layer.keys.numel()
+            else None
+            for layer in self._layers()
+        ]
+
+    def set_layer_states(self, states: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Replace every layer's keys and values (a batched pass hands a session its entries back)."""
+        layers = self._layers()
+        if len(states) != len(layers):
+            raise CacheError(f"{len(states)} layer states for a cache of {len(layers)} layers")
+        for layer, (keys, values) in zip(layers, states, strict=True):
+            if not getattr(layer, "is_initialized", True):
+                layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
 
     def prefill(self, tokens: Sequence[int]) -> None:
         """Append committed tokens straight to the prefix (empty block only), with no explicit mask.
@@ -205,16 +275,24 @@ class TreeKVCache:
         if not tokens:
             return
         start = self.prefix_len
-        device = next(self.model.parameters()).device
+        device, _ = model_device_dtype(self.model)
         positions = torch.arange(start, start + len(tokens), device=device)
-        with self.lock or nullcontext(), torch.no_grad():
-            self.model(
-                input_ids=torch.tensor([list(tokens)], dtype=torch.long, device=device),
-                position_ids=positions[None],
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+
+        def run() -> None:
+            with self.lock or nullcontext(), torch.no_grad():
+                self.model(
+                    input_ids=torch.tensor([list(tokens)], dtype=torch.long, device=device),
+                    position_ids=positions[None],
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+
+        # A prompt's prefill runs alone (its causal mask is the model's own, no [q, kv] mask).
+        if self.runner is not None:
+            self.runner.alone(run)
+        else:
+            run()
         self.prefix = self.prefix + [int(t) for t in tokens]
         if self.physical_len() != self.prefix_len:
             raise CacheError("the model did not append one cache entry per input token")

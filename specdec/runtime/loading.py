@@ -294,6 +294,13 @@ def load_model(
         raise ModelPathError(f"cannot load model from {directory}: {exc}") from exc
     model.to(device)
     model.eval()
+    if torch.device(device).type == "cpu":
+        # Our passes carry a mask (tree / batch layout), and with a mask transformers' sdpa copies
+        # every key/value head group by group (repeat_kv) unless told that the kernel handles
+        # grouped-query attention itself, which the CPU kernel does: the same logits (checked on
+        # the default pair), without the copy, which grows with batch x context. Set it to 0 to
+        # opt out. (On CUDA a masked GQA call would leave the fast kernel, so only here.)
+        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     tokenizer = load_tokenizer(directory)
     source_file = directory / SOURCE_FILE
     model_id = directory.name

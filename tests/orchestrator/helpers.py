@@ -50,11 +50,12 @@ def slowed_model(path: Path, seconds: float) -> LoadedModel:
 
 
 class FlakyDrafter:
-    """Raises PeerUnavailable on the drafter calls (draft, lookahead) whose 0-based number is in
-    `down_calls`."""
+    """Raises PeerUnavailable (or `error`) on the drafter calls (draft, lookahead) whose 0-based
+    number is in `down_calls`."""
 
-    def __init__(self, inner, down_calls: set[int]) -> None:
+    def __init__(self, inner, down_calls: set[int], error: type[Exception] = PeerUnavailable) -> None:
         self.inner = inner
+        self.error = error
         self.address = "flaky-drafter"
         self.down_calls = down_calls
         self.calls = 0
@@ -68,7 +69,7 @@ class FlakyDrafter:
         self.calls += 1
         if number in self.down_calls:
             self.refused += 1
-            raise PeerUnavailable(f"{self.address} is down (injected)")
+            raise self.error(f"{self.address} is down (injected)")
 
     async def draft(self, request):
         self._maybe_down()

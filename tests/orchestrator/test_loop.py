@@ -19,7 +19,7 @@ from orchestrator.intervals import overlap, union
 from orchestrator.scheduling import rank_acceptance_from_calibration
 from orchestrator.speculation import Orchestrator
 from orchestrator.store import MemoryStore, RedisStore
-from specdec.engine.api import InvalidRequest, SessionGone
+from specdec.engine.api import InvalidRequest, Overloaded, SessionGone
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
 from specdec.generation import GenerationRequest
@@ -170,6 +170,16 @@ async def test_drafter_down_then_back(make_orchestrator, engines, loaded):
     seeded = await orch.generate(_request(prompt, 30, "ersd", SAMPLE, seed=21, k=3))
     assert seeded.token_ids == race_reference(loaded["target"].model, prompt, 30, 21, SAMPLE)
     assert seeded.stats.fallback_iterations == 4
+
+
+async def test_an_overloaded_drafter_is_shed_like_a_lost_one(make_orchestrator, engines, loaded):
+    """Overloaded (its KV budget full of busy sessions) → target-only steps, exact output, no failure."""
+    prompt = PROMPTS[0]
+    flaky = FlakyDrafter(InProcessDrafterClient(engines["draft"]), down_calls={1, 2}, error=Overloaded)
+    orch = make_orchestrator(flaky, drafter_retry_seconds=0.0)
+    result = await orch.generate(_request(prompt, 16, "token", GREEDY, k=2))
+    assert result.token_ids == hf_greedy(loaded["target"].model, prompt, 16)
+    assert result.stats.fallback_iterations == flaky.refused == 2
 
 
 async def test_drafter_backoff_limits_retries(make_orchestrator, engines):

@@ -1,0 +1,253 @@
+"""Continuous batching: the forward passes of concurrent calls from different sessions run as one.
+
+Each session keeps its own KV cache (specdec.runtime.kv.TreeKVCache) with its own length and
+its own tree mask. A call that needs a pass hands its cache and plan to the engine's
+ForwardBatcher and waits. There is no scheduler thread: the first waiting call that finds the
+model idle leads. It takes the queued plans (first come, first served, up to max_batch_tokens
+query positions), runs them as one pass, and hands every cache its new entries and rows; the
+plans that arrived meanwhile form the next pass. So at one client nothing waits. With many,
+each pass carries everything that queued up while the previous one ran.
+
+A batched pass lays the caches out left-padded in one batch:
+
+    row b: [ padding | session b's cached entries | padding queries | session b's new entries ]
+           <------------ longest cache ------------><--------- most new entries --------->
+
+The mask lets each new entry see exactly what its own cache's plan allows; padding is seen by
+no one, and a padding query sees only itself (so no attention row is empty). Position ids are
+the session's own. Keeping the new entries last gives every session its rows as a suffix of
+the pass's, so one `logits_to_keep` serves all. The verification rules run per session on
+those rows afterwards, so batching changes no output beyond floating-point rounding
+(docs/algorithms.md §13).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.runtime.batch_config import BatchConfig
+from specdec.runtime.kv import ExtendPlan, TreeKVCache, additive_mask, model_device_dtype
+
+
+@dataclass(eq=False)
+class _Job:
+    kv: TreeKVCache | None = None  # None: a pass that runs alone (`run`)
+    plan: ExtendPlan | None = None
+    run: Callable[[], None] | None = None
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+    @property
+    def positions(self) -> int:
+        return len(self.plan.tokens) if self.plan is not None else 0
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0  # passes run (a pass with one call included)
+    batch_calls: int = 0  # plans those passes served
+    batch_tokens: int = 0  # query positions in those passes, padding included
+    largest_batch: int = 0
+    history: list[int] = field(default_factory=list)  # calls per pass, the last few (for tests/bench)
+
+
+class ForwardBatcher:
+    """Runs the passes of many TreeKVCaches over one model, batching concurrent ones."""
+
+    HISTORY = 256
+
+    def __init__(self, model, config: BatchConfig | None = None, clock=time.monotonic) -> None:
+        self.model = model
+        self.config = config or BatchConfig()
+        self.clock = clock
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._queue: list[_Job] = []
+        self._running = False
+        self._members = 0  # calls holding a session: each may queue a plan soon
+
+    # the engines' side ------------------------------------------------------------------------
+    @contextmanager
+    def member(self) -> Iterator[None]:
+        """Hold while a call holds its session: a leader may wait briefly for its plan."""
+        with self._cond:
+            self._members += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._members -= 1
+                self._cond.notify_all()
+
+    def counters(self) -> dict[str, int]:
+        """queue_depth (plans waiting for a pass), batches, batch_calls, batch_tokens (for metrics)."""
+        with self._cond:
+            stats = self.stats
+            return {"queue_depth": len(self._queue), "batches": stats.batches,
+                    "batch_calls": stats.batch_calls, "batch_tokens": stats.batch_tokens}
+
+    def extend(self, kv: TreeKVCache, plan: ExtendPlan) -> torch.Tensor:
+        """Run `plan` on `kv` (with others' plans when they are waiting); its logits rows."""
+        job = self._submit(_Job(kv=kv, plan=plan))
+        assert job.logits is not None
+        return job.logits
+
+    def alone(self, run: Callable[[], None]) -> None:
+        """Run `run` (a pass with its own mask, e.g. a prompt's prefill) between batched passes."""
+        self._submit(_Job(run=run))
+
+    # leading ----------------------------------------------------------------------------------
+    def _submit(self, job: _Job) -> _Job:
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+            while not job.done:
+                if self._running:
+                    self._cond.wait()
+                    continue
+                self._running = True
+                batch = self._take()
+                self._cond.release()
+                try:
+                    self._execute(batch)
+                finally:
+                    self._cond.acquire()
+                    self._running = False
+                    for taken in batch:
+                        taken.done = True
+                    self._cond.notify_all()
+        if job.error is not None:
+            raise job.error
+        return job
+
+    def _take(self) -> list[_Job]:
+        """The next pass's jobs (called with the lock held; may wait up to the gather window)."""
+        config = self.config
+        if config.enabled and config.window_ms > 0:
+            deadline = self.clock() + config.window_ms / 1000
+            # Other calls hold sessions but have not queued yet: give them a moment to join.
+            while (self._members > len(self._queue) and self._queued_positions() < config.max_batch_tokens
+                   and (left := deadline - self.clock()) > 0):
+                self._cond.wait(left)
+        first = self._queue[0]
+        if first.kv is None or not config.enabled:
+            self._queue.pop(0)
+            return [first]
+        batch: list[_Job] = []
+        widest = 0
+        for job in list(self._queue):
+            if job.kv is None:
+                continue  # runs alone, later
+            wider = max(widest, job.positions)
+            if batch and wider * (len(batch) + 1) > config.max_batch_tokens:
+                break
+            batch.append(job)
+            widest = wider
+            self._queue.remove(job)
+        return batch
+
+    def _queued_positions(self) -> int:
+        return sum(job.positions for job in self._queue)
+
+    def _execute(self, batch: list[_Job]) -> None:
+        try:
+            if batch[0].kv is None:
+                assert batch[0].run is not None
+                batch[0].run()
+            elif len(batch) == 1:
+                job = batch[0]
+                assert job.kv is not None and job.plan is not None
+                job.logits = job.kv.forward(job.plan)
+            else:
+                for job, logits in zip(batch, self._batched_pass(batch), strict=True):
+                    job.logits = logits
+        except BaseException as exc:  # every caller of the pass sees its failure
+            for job in batch:
+                job.error = exc
+        if batch[0].kv is not None:
+            self._count(batch)
+
+    def _count(self, batch: list[_Job]) -> None:
+        stats = self.stats
+        stats.batches += 1
+        stats.batch_calls += len(batch)
+        stats.batch_tokens += len(batch) * max(job.positions for job in batch)
+        stats.largest_batch = max(stats.largest_batch, len(batch))
+        stats.history.append(len(batch))
+        del stats.history[: -self.HISTORY]
+
+    # the batched pass -------------------------------------------------------------------------
+    def _batched_pass(self, batch: list[_Job]) -> list[torch.Tensor]:
+        from transformers import DynamicCache
+
+        device, dtype = model_device_dtype(self.model)
+        kvs = [job.kv for job in batch]
+        plans = [job.plan for job in batch]
+        assert all(kv is not None for kv in kvs) and all(plan is not None for plan in plans)
+        cached = [kv.physical_len() for kv in kvs]  # type: ignore[union-attr]
+        news = [len(plan.tokens) for plan in plans]  # type: ignore[union-attr]
+        longest, widest, size = max(cached), max(news), len(batch)
+
+        cache = DynamicCache(config=self.model.config)
+        if longest:
+            states = [kv.layer_states() for kv in kvs]  # type: ignore[union-attr]
+            for index, layer in enumerate(cache.layers):
+                template = next(s[index] for s in states if s[index] is not None)[0]
+                shape = (size, template.shape[1], longest, template.shape[3])
+                keys = template.new_zeros(shape)
+                values = template.new_zeros(shape)
+                for b, state in enumerate(states):
+                    if state[index] is not None:
+                        keys[b, :, longest - cached[b]:] = state[index][0][0]
+                        values[b, :, longest - cached[b]:] = state[index][1][0]
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+
+        total = longest + widest
+        input_ids = torch.zeros((size, widest), dtype=torch.long)
+        positions = torch.zeros((size, widest), dtype=torch.long)
+        allowed = torch.zeros((size, widest, total), dtype=torch.bool)
+        allowed[:, torch.arange(widest), longest + torch.arange(widest)] = True  # padding sees itself
+        keep = 0
+        for b, plan in enumerate(plans):
+            assert plan is not None
+            n, c = news[b], cached[b]
+            input_ids[b, widest - n:] = torch.tensor(plan.tokens, dtype=torch.long)
+            positions[b, widest - n:] = torch.tensor(plan.positions, dtype=torch.long)
+            rows = slice(widest - n, widest)
+            allowed[b, rows, :] = False
+            allowed[b, rows, longest - c:longest] = plan.allowed[:, :c]
+            allowed[b, rows, total - n:] = plan.allowed[:, c:]
+            keep = max(keep, n - plan.rows_from)
+
+        with torch.no_grad():
+            out = self.model(
+                input_ids=input_ids.to(device),
+                attention_mask=additive_mask(allowed, dtype)[:, None].to(device),
+                position_ids=positions.to(device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+        logits = out.logits.float()
+
+        results = []
+        for b, (kv, plan) in enumerate(zip(kvs, plans, strict=True)):
+            assert kv is not None and plan is not None
+            n, c = news[b], cached[b]
+            # The session's cached entries, then its new ones (padding in between dropped).
+            spans = [slice(longest - c, longest), slice(total - n, total)][0 if c else 1:]
+            kv.set_layer_states([
+                tuple(torch.cat([states[b:b + 1, :, span] for span in spans], dim=-2)
+                      for states in (layer.keys, layer.values))
+                for layer in cache.layers
+            ])
+            results.append(logits[b, keep - (n - plan.rows_from):])
+        return results

@@ -1,0 +1,151 @@
+"""Batched passes give every session the rows (and cache) a pass of its own would have.
+
+Sessions with different cache lengths, pending blocks and trees share passes; each session's
+rows must match the plain forward of its own root-to-node paths, and its cache must go on
+working afterwards (the next step reuses the entries the batched pass handed back).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from specdec.runtime.batch_config import BatchConfig
+from specdec.runtime.batching import ForwardBatcher
+from specdec.runtime.kv import TreeKVCache
+from specdec.runtime.scoring import commit_path, prepare, score_tree, tree_block
+from specdec.trees import DraftTree
+from tests.runtime.test_scoring import assert_rows_match, random_tree
+
+JOIN_S = 60
+
+
+def _plan_tree(kv: TreeKVCache, committed: list[int], tree: DraftTree):
+    """What score_tree would run, as a plan (the cache is brought to `committed` first)."""
+    reused, pending = prepare(kv, committed)
+    tokens = pending + list(tree.tokens)
+    return pending, kv.plan(tokens, tree_block(len(pending), tree), rows_from=len(pending) - 1)
+
+
+def test_batched_pass_rows_equal_each_sessions_own_paths(tiny):
+    model, vocab = tiny.model, tiny.info.vocab_size
+    rng = random.Random(5)
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=0))
+    kvs = [TreeKVCache(model, runner=batcher) for _ in range(4)]
+    committed = [[rng.randrange(vocab) for _ in range(length)] for length in (3, 17, 1, 9)]
+    for step in range(3):
+        trees = [random_tree(rng, rng.randrange(0, 6), vocab) for _ in kvs]
+        jobs = []
+        for kv, seq, tree in zip(kvs, committed, trees, strict=True):
+            pending, plan = _plan_tree(kv, seq, tree)
+            jobs.append((kv, plan, len(pending)))
+        # One batched pass for all four sessions (what the leader does with a full queue).
+        from specdec.runtime.batching import _Job
+
+        batch = [_Job(kv=kv, plan=plan) for kv, plan, _ in jobs]
+        batcher._execute(batch)
+        for (kv, plan, pending_len), job, seq, tree in zip(jobs, batch, committed, trees, strict=True):
+            assert job.error is None
+            kv.apply(plan)
+            assert_rows_match(model, seq, tree, job.logits)
+            # Accept a random path, then extend the sequence as a verifier would.
+            node = rng.randrange(-1, len(tree))
+            path = [] if node < 0 else tree.path_to(node)
+            commit_path(kv, pending_len, path)
+            seq.extend(tree.tokens[n] for n in path)
+            seq.append(rng.randrange(vocab))
+        assert batcher.stats.largest_batch == 4, step
+
+
+def test_threads_share_passes_and_each_gets_its_own_rows(tiny):
+    """Concurrent score_tree calls through the batcher: passes are shared, rows stay exact."""
+    model, vocab = tiny.model, tiny.info.vocab_size
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=50))
+    failures: list[BaseException] = []
+    start = threading.Barrier(6)
+
+    def session(index: int) -> None:
+        rng = random.Random(index)
+        kv = TreeKVCache(model, runner=batcher)
+        seq = [rng.randrange(vocab) for _ in range(2 + 3 * index)]
+        try:
+            start.wait(timeout=JOIN_S)
+            for _ in range(4):
+                with batcher.member():
+                    tree = random_tree(rng, rng.randrange(1, 5), vocab)
+                    score = score_tree(kv, seq, tree)
+                    assert_rows_match(model, seq, tree, score.logits)
+                    commit_path(kv, score.pending_len, tree.path_to(0))
+                seq.extend(tree.tokens[n] for n in tree.path_to(0))
+                seq.append(rng.randrange(vocab))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_S)
+    assert not any(thread.is_alive() for thread in threads), "a session hung"
+    assert not failures, failures[0]
+    assert batcher.stats.batch_calls == 24
+    assert batcher.stats.largest_batch > 1, batcher.stats.history
+
+
+def test_max_batch_tokens_bounds_a_pass(tiny):
+    model = tiny.model
+    batcher = ForwardBatcher(model, BatchConfig(max_batch_tokens=6, window_ms=0))
+    from specdec.runtime.batching import _Job
+
+    kvs = [TreeKVCache(model, runner=batcher) for _ in range(4)]
+    jobs = [_Job(kv=kv, plan=kv.plan([1, 2, 3], [-1, 0, 1], 2)) for kv in kvs]
+    batcher._queue.extend(jobs)
+    first = batcher._take()
+    assert first == jobs[:2]  # 2 sessions x 3 positions = 6; a third would make 9
+    assert batcher._take() == jobs[2:]
+
+
+def test_disabled_batching_runs_plans_one_at_a_time(tiny):
+    model = tiny.model
+    batcher = ForwardBatcher(model, BatchConfig(enabled=False))
+    from specdec.runtime.batching import _Job
+
+    kvs = [TreeKVCache(model, runner=batcher) for _ in range(3)]
+    jobs = [_Job(kv=kv, plan=kv.plan([1], [-1], 0)) for kv in kvs]
+    batcher._queue.extend(jobs)
+    assert [batcher._take() for _ in jobs] == [[job] for job in jobs]
+
+
+def test_a_failed_pass_reaches_every_caller_and_the_batcher_goes_on(tiny):
+    model = tiny.model
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=0))
+    from specdec.runtime.batching import _Job
+
+    kvs = [TreeKVCache(model, runner=batcher) for _ in range(2)]
+    bad = kvs[0].plan([1], [-1], 0)
+    bad.tokens = [10**6]  # an id outside the embedding: the pass fails
+    jobs = [_Job(kv=kvs[0], plan=bad), _Job(kv=kvs[1], plan=kvs[1].plan([1], [-1], 0))]
+    batcher._execute(jobs)
+    assert all(isinstance(job.error, (IndexError, RuntimeError)) for job in jobs)
+    fresh = TreeKVCache(model, runner=batcher)
+    assert fresh.extend([1, 2], [-1, 0], 1).shape == (1, tiny.info.vocab_size)
+
+
+@pytest.mark.parametrize("rows_from", [0, 2])
+def test_rows_from_is_honoured_per_session(tiny, rows_from):
+    model, vocab = tiny.model, tiny.info.vocab_size
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=0))
+    from specdec.runtime.batching import _Job
+
+    a, b = TreeKVCache(model, runner=batcher), TreeKVCache(model, runner=batcher)
+    plans = [a.plan([1, 2, 3], [-1, 0, 1], rows_from), b.plan([4], [-1], 0)]
+    jobs = [_Job(kv=a, plan=plans[0]), _Job(kv=b, plan=plans[1])]
+    batcher._execute(jobs)
+    assert jobs[0].logits.shape == (3 - rows_from, vocab)
+    assert jobs[1].logits.shape == (1, vocab)
+    with torch.no_grad():
+        plain = model(input_ids=torch.tensor([[1, 2, 3]])).logits[0].float()
+    torch.testing.assert_close(jobs[0].logits, plain[rows_from:], atol=1e-4, rtol=0)
