@@ -83,6 +83,11 @@ class Observability:
         return combine_observers(self.tracing.loop_observer() if self.tracing is not None else None,
                                  self._orchestrator_metrics)
 
+    def watch_orchestrator(self, orchestrator: Any) -> None:
+        """Expose the orchestrator's request slots (admitted, queued, rejected) on /metrics."""
+        if self._orchestrator_metrics is not None:
+            self._orchestrator_metrics.watch_orchestrator(orchestrator)
+
     def watch_engine(self, engine: Any) -> None:
         """Expose engine.stats() (sessions, evictions) on /metrics."""
         if self._engine_metrics is not None:

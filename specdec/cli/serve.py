@@ -295,8 +295,7 @@ def serve_orchestrator(
         orchestrator = Orchestrator(GrpcDrafterClient(drafter, **client_options),
                                     GrpcVerifierClient(verifier, **client_options), config,
                                     observer=obs.loop_observer)
-        if obs._orchestrator_metrics is not None:  # request slots on /metrics (read at scrape time)
-            obs._orchestrator_metrics.watch_orchestrator(orchestrator)
+        obs.watch_orchestrator(orchestrator)  # request slots on /metrics (read at scrape time)
         try:
             deadline = time.monotonic() + peer_timeout
             while True:
