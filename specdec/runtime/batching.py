@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -55,13 +55,10 @@ class BatchStats:
     batch_calls: int = 0  # plans those passes served
     batch_tokens: int = 0  # query positions in those passes, padding included
     largest_batch: int = 0
-    history: list[int] = field(default_factory=list)  # calls per pass, the last few (for tests/bench)
 
 
 class ForwardBatcher:
     """Runs the passes of many TreeKVCaches over one model, batching concurrent ones."""
-
-    HISTORY = 256
 
     def __init__(self, model, config: BatchConfig | None = None, clock=time.monotonic) -> None:
         self.model = model
@@ -180,8 +177,6 @@ class ForwardBatcher:
         stats.batch_calls += len(batch)
         stats.batch_tokens += len(batch) * max(job.positions for job in batch)
         stats.largest_batch = max(stats.largest_batch, len(batch))
-        stats.history.append(len(batch))
-        del stats.history[: -self.HISTORY]
 
     # the batched pass -------------------------------------------------------------------------
     def _batched_pass(self, batch: list[_Job]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import ForwardBatcher
+from specdec.runtime.batching import ForwardBatcher, _Job
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.scoring import commit_path, prepare, score_tree, tree_block
 from specdec.trees import DraftTree
@@ -43,8 +43,6 @@ def test_batched_pass_rows_equal_each_sessions_own_paths(tiny):
             pending, plan = _plan_tree(kv, seq, tree)
             jobs.append((kv, plan, len(pending)))
         # One batched pass for all four sessions (what the leader does with a full queue).
-        from specdec.runtime.batching import _Job
-
         batch = [_Job(kv=kv, plan=plan) for kv, plan, _ in jobs]
         batcher._execute(batch)
         for (kv, plan, pending_len), job, seq, tree in zip(jobs, batch, committed, trees, strict=True):
@@ -92,14 +90,12 @@ def test_threads_share_passes_and_each_gets_its_own_rows(tiny):
     assert not any(thread.is_alive() for thread in threads), "a session hung"
     assert not failures, failures[0]
     assert batcher.stats.batch_calls == 24
-    assert batcher.stats.largest_batch > 1, batcher.stats.history
+    assert batcher.stats.largest_batch > 1, batcher.stats
 
 
 def test_max_batch_tokens_bounds_a_pass(tiny):
     model = tiny.model
     batcher = ForwardBatcher(model, BatchConfig(max_batch_tokens=6, window_ms=0))
-    from specdec.runtime.batching import _Job
-
     kvs = [TreeKVCache(model, runner=batcher) for _ in range(4)]
     jobs = [_Job(kv=kv, plan=kv.plan([1, 2, 3], [-1, 0, 1], 2)) for kv in kvs]
     batcher._queue.extend(jobs)
@@ -111,8 +107,6 @@ def test_max_batch_tokens_bounds_a_pass(tiny):
 def test_disabled_batching_runs_plans_one_at_a_time(tiny):
     model = tiny.model
     batcher = ForwardBatcher(model, BatchConfig(enabled=False))
-    from specdec.runtime.batching import _Job
-
     kvs = [TreeKVCache(model, runner=batcher) for _ in range(3)]
     jobs = [_Job(kv=kv, plan=kv.plan([1], [-1], 0)) for kv in kvs]
     batcher._queue.extend(jobs)
@@ -122,8 +116,6 @@ def test_disabled_batching_runs_plans_one_at_a_time(tiny):
 def test_a_failed_pass_reaches_every_caller_and_the_batcher_goes_on(tiny):
     model = tiny.model
     batcher = ForwardBatcher(model, BatchConfig(window_ms=0))
-    from specdec.runtime.batching import _Job
-
     kvs = [TreeKVCache(model, runner=batcher) for _ in range(2)]
     bad = kvs[0].plan([1], [-1], 0)
     bad.tokens = [10**6]  # an id outside the embedding: the pass fails
@@ -138,8 +130,6 @@ def test_a_failed_pass_reaches_every_caller_and_the_batcher_goes_on(tiny):
 def test_rows_from_is_honoured_per_session(tiny, rows_from):
     model, vocab = tiny.model, tiny.info.vocab_size
     batcher = ForwardBatcher(model, BatchConfig(window_ms=0))
-    from specdec.runtime.batching import _Job
-
     a, b = TreeKVCache(model, runner=batcher), TreeKVCache(model, runner=batcher)
     plans = [a.plan([1, 2, 3], [-1, 0, 1], rows_from), b.plan([4], [-1], 0)]
     jobs = [_Job(kv=a, plan=plans[0]), _Job(kv=b, plan=plans[1])]
