@@ -54,6 +54,7 @@ async def start_drafter_server(
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     max_workers: int | None = None,
     observers: Sequence[Any] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a DrafterService (+ health, reflection) for `engine`; returns (server, bound port).
 
@@ -73,6 +74,7 @@ async def start_drafter_server(
         interceptors=interceptors,
         max_workers=max_workers if max_workers is not None else engine_workers(engine),
         thread_name_prefix="drafter-engine",
+        credentials=credentials,
     )
 
 

@@ -67,6 +67,7 @@ async def start_orchestrator_server(
     *,
     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a GenerationService (+ health, reflection); returns (server, bound port)."""
     servicer = GenerationServicer(orchestrator)
@@ -77,6 +78,7 @@ async def start_orchestrator_server(
         port,
         max_message_mb=max_message_mb,
         interceptors=interceptors,
+        credentials=credentials,
     )
 
 

@@ -63,6 +63,7 @@ async def start_verifier_server(
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     max_workers: int | None = None,
     observers: Sequence[Any] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a VerifierService (+ health, reflection) for `engine`; returns (server, bound port).
 
@@ -82,5 +83,6 @@ async def start_verifier_server(
         interceptors=interceptors,
         max_workers=max_workers if max_workers is not None else engine_workers(engine),
         thread_name_prefix="verifier-engine",
+        credentials=credentials,
     )
 

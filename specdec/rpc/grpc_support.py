@@ -217,11 +217,13 @@ async def start_server(
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     options: Iterable[tuple[str, Any]] = (),
     on_stop: Sequence[Callable[[], None]] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Build, register, bind and start a grpc.aio server with health checking and reflection.
 
     `register(server)` adds the service's servicer. Health reports SERVING for "" and for every
-    name in `service_names`. `on_stop` callbacks run after stop_server (or when the server
+    name in `service_names`. `credentials` (specdec.rpc.security.server_credentials) binds a TLS
+    port; None binds plaintext. `on_stop` callbacks run after stop_server (or when the server
     object is collected). Returns the server and the bound port (useful with port=0).
     """
     server = grpc.aio.server(
@@ -236,7 +238,10 @@ async def start_server(
     reflection.enable_server_reflection(reflected, server)
     address = format_address(host, port)
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError as exc:  # grpc raises RuntimeError when the port cannot be bound
         raise OSError(f"could not bind {address}: {exc}") from None
     if bound == 0:
@@ -301,6 +306,7 @@ async def start_engine_server(
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     max_workers: int = 1,
     thread_name_prefix: str = "engine",
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """start_server for a servicer around a synchronous engine, with its own worker pool."""
     if max_workers < 1:
@@ -316,6 +322,7 @@ async def start_engine_server(
             max_message_mb=max_message_mb,
             interceptors=interceptors,
             on_stop=[functools.partial(executor.shutdown, wait=False)],
+            credentials=credentials,
         )
     except BaseException:
         executor.shutdown(wait=False)
