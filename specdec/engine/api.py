@@ -55,6 +55,23 @@ class ContextTooLong(InvalidRequest):
     """Sequence would exceed the model's context window (→ INVALID_ARGUMENT)."""
 
 
+class AlreadyExists(EngineError):
+    """A request_id that already has a stored record (→ ALREADY_EXISTS): resume it, or pick another."""
+
+
+class NotFound(EngineError):
+    """No stored request of that id for this caller (→ NOT_FOUND). A record bound to another caller
+    reads as not found, so its existence is not revealed."""
+
+
+class Unauthenticated(EngineError):
+    """Missing or wrong credentials (→ UNAUTHENTICATED). The message never contains the token."""
+
+
+class StoreUnavailable(PeerUnavailable):
+    """The configured request store (Redis) cannot be reached (→ UNAVAILABLE, naming the store)."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     model_id: str

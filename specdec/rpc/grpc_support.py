@@ -2,6 +2,9 @@
 
 Error mapping (server side), the same for every service:
   SessionGone                                        → FAILED_PRECONDITION (resend the context)
+  AlreadyExists (a request_id with a stored record)  → ALREADY_EXISTS
+  NotFound (no stored request of that id for the caller) → NOT_FOUND
+  Unauthenticated                                    → UNAUTHENTICATED
   PeerUnavailable (an orchestrator lost its verifier) → UNAVAILABLE
   Overloaded (an engine's KV budget or session cap, or the orchestrator's request slots, full)
                                                      → RESOURCE_EXHAUSTED "overloaded: …" (retry later)
@@ -36,7 +39,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
-from specdec.engine.api import EngineError, InvalidRequest, Overloaded, PeerUnavailable, SessionGone
+from specdec.engine.api import (
+    AlreadyExists,
+    EngineError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    PeerUnavailable,
+    SessionGone,
+    Unauthenticated,
+)
 from specdec.rpc import convert
 from specdec.rpc.v1 import common_pb2
 
@@ -78,6 +90,12 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, _short(str(exc) or "session gone; resend the context")
     if isinstance(exc, PeerUnavailable):
         return grpc.StatusCode.UNAVAILABLE, _short(str(exc))
+    if isinstance(exc, AlreadyExists):
+        return grpc.StatusCode.ALREADY_EXISTS, _short(str(exc))
+    if isinstance(exc, NotFound):
+        return grpc.StatusCode.NOT_FOUND, _short(str(exc))
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, _short(str(exc) or "unauthenticated")
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, _short(OVERLOADED_PREFIX + (str(exc) or "retry later"))
     if isinstance(exc, ValueError):  # InvalidRequest, SamplingParamsError, VerificationError
@@ -351,6 +369,12 @@ def error_from_status(code: grpc.StatusCode, details: str | None, address: str) 
         return SessionGone(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(details)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return AlreadyExists(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(details)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if details.startswith(OVERLOADED_PREFIX):
             return Overloaded(f"{address}: {details.removeprefix(OVERLOADED_PREFIX)}")
