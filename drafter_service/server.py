@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
+from specdec.engine.api import MAX_TREE_NODES, ContextTooLong, InvalidRequest
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
     EngineServicer,
@@ -30,15 +31,28 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
 
+def check_counts(engine: Any, append: int, nodes: int = 0) -> None:
+    """Refuse repeated fields no call may be that long, by their counts alone: before they are read
+    into lists (a 64 MB message holds tens of millions of token ids) or the engine sees the call."""
+    context = engine.info().max_context
+    if context > 0 and append > context:
+        raise ContextTooLong(f"append: {append} tokens; the context window holds {context}")
+    if nodes > MAX_TREE_NODES:
+        raise InvalidRequest(f"shape_parents holds {nodes} nodes; at most {MAX_TREE_NODES} are allowed "
+                             "(the drafter's cap)")
+
+
 class DrafterServicer(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     @guarded
     async def Draft(self, request: drafter_pb2.DraftRequest, context) -> drafter_pb2.DraftResult:
+        check_counts(self.engine, len(request.append), len(request.shape_parents))
         req = convert.draft_request_from_proto(request)
         result = await run_observed(self.executor, self.observers, "Draft", req, self.engine.draft, req)
         return convert.draft_result_to_proto(result)
 
     @guarded
     async def Lookahead(self, request: drafter_pb2.LookaheadRequest, context) -> drafter_pb2.LookaheadResult:
+        check_counts(self.engine, len(request.append))
         req = convert.lookahead_request_from_proto(request)
         engine_call = self.engine.lookahead
         result = await run_observed(self.executor, self.observers, "Lookahead", req, engine_call, req)

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from specdec.engine.api import VerifyOutcome
+from specdec.engine.api import StoreUnavailable, VerifyOutcome
 from specdec.generation import GenerationStats, IterationRecord
 from specdec.trees import DraftTree
 
@@ -96,6 +96,8 @@ async def flush_calibration(run: Run, store: Store, pair_key: str) -> None:
     run.calibration.clear()
     try:
         await store.add_calibration(pair_key, counts)
+    except StoreUnavailable:  # an outage, which the store logs once: these counts are lost
+        log.debug("calibration counts dropped: the request store is unavailable")
     except Exception:  # statistics are not worth failing a request for
         log.exception("could not store calibration counts")
 

@@ -55,9 +55,9 @@ class _Mean:
     total: float = 0.0
     weight: float = 0.0
 
-    def add(self, value: float) -> None:
-        self.total += value
-        self.weight += 1.0
+    def add(self, value: float, weight: float = 1.0) -> None:
+        self.total += weight * value
+        self.weight += weight
 
     def fade(self, decay: float) -> None:
         self.total *= decay
@@ -275,3 +275,53 @@ class DraftLength:
             if not math.isfinite(current_rate) or self.tokens_per_second(best) > SWITCH_GAIN * current_rate:
                 self._current = best
         return self._current
+
+
+# ------------------------------------------------------------------------------------------------
+# the expected time of a drafter call (its deadline: failover.drafter_deadline)
+
+STEADY_CATCH_UP = 16  # calls with at most this many new committed tokens teach the time per pass
+CATCH_UP_PER_PASS = 8  # a catch-up (prefill) of this many tokens is assumed to cost one pass
+CUT_OFF_WEIGHT = 0.25  # a call cut off at its deadline counts as this much of a sample of it
+
+
+@dataclass
+class DrafterCallTimes:
+    """How long a drafter call should take: seconds per forward pass, a decaying mean over the
+    drafter's calls without a long catch-up (all runs share it), the verifier's while the drafter has
+    none yet (the drafter is the smaller model), and `unknown_pass_s` before either was measured.
+
+    A call of `passes` passes that first takes in `catch_up` committed tokens is expected to take
+    t_pass · (passes + catch_up / CATCH_UP_PER_PASS): a prefill costs far less per token than a
+    decode pass, so this errs on the generous side. A call cut off at its deadline counts as a
+    light sample (CUT_OFF_WEIGHT) of its deadline, so a drafter that became slower for everyone
+    slowly raises the expectation instead of being abandoned forever, while one stuck call moves
+    it little.
+    """
+
+    half_life: float = HALF_LIFE
+    _drafter: _Mean = field(default_factory=_Mean)
+    _verifier: _Mean = field(default_factory=_Mean)
+
+    def observe(self, passes: int, catch_up: int, seconds: float, *, cut_off: bool = False) -> None:
+        """One drafter call that took `seconds` (cut_off: abandoned after them)."""
+        self._fold(self._drafter, passes, catch_up, seconds, CUT_OFF_WEIGHT if cut_off else 1.0)
+
+    def observe_verifier(self, passes: int, catch_up: int, seconds: float) -> None:
+        self._fold(self._verifier, passes, catch_up, seconds, 1.0)
+
+    def _fold(self, mean: _Mean, passes: int, catch_up: int, seconds: float, weight: float) -> None:
+        if catch_up > STEADY_CATCH_UP or passes < 1 or not math.isfinite(seconds) or seconds < 0:
+            return
+        mean.fade(0.5 ** (1.0 / self.half_life))
+        mean.add(seconds / passes, weight)
+
+    def pass_seconds(self, unknown_pass_s: float) -> float:
+        for mean in (self._drafter, self._verifier):
+            if mean.weight > 0:
+                return mean.value
+        return unknown_pass_s
+
+    def expected(self, passes: int, catch_up: int, unknown_pass_s: float) -> float:
+        """Expected seconds of a drafter call of `passes` forward passes after `catch_up` new tokens."""
+        return self.pass_seconds(unknown_pass_s) * (max(1, passes) + max(0, catch_up) / CATCH_UP_PER_PASS)

@@ -10,6 +10,7 @@ from typing import Literal, get_args
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from specdec.engine.api import MAX_LOOKAHEAD_K, MAX_TREE_NODES
 from specdec.methods import METHOD_NAMES
 
 DraftRowsMode = Literal["lean", "full"]
@@ -73,9 +74,21 @@ class OrchestratorConfig(BaseSettings):
     # checks whether drafting pays again (each probe costs the drafter's catch-up over the context).
     adaptive_probe_every: int = Field(64, ge=1)
 
-    max_k: int = Field(16, ge=1)
-    max_tree_budget: int = Field(64, ge=1)
+    # Limits of a request, checked before any work on it (INVALID_ARGUMENT naming the field and the
+    # limit). max_k and max_tree_budget stay within the engines' own caps (specdec.engine.api).
+    max_k: int = Field(16, ge=1, le=MAX_LOOKAHEAD_K)
+    max_tree_budget: int = Field(64, ge=1, le=MAX_TREE_NODES)
     max_new_tokens_limit: int = Field(4096, ge=1)
+    # A text prompt of more UTF-8 bytes is refused before the verifier tokenizes it. 2 MiB is about
+    # 500k tokens of ordinary text (~4 bytes a token), 16x the default pair's 32k-token window, and
+    # tokenizes in about 2 s on one core; raise it for a model with a longer window.
+    max_prompt_bytes: int = Field(2 * 2**20, ge=1)
+    # request_id: printable ASCII without spaces (it names the stored record), at most this long.
+    max_request_id_chars: int = Field(128, ge=1)
+    # Stop strings (every iteration matches each against the text's tail) and stop token ids.
+    max_stop_strings: int = Field(16, ge=0)
+    max_stop_chars: int = Field(256, ge=1)
+    max_stop_token_ids: int = Field(256, ge=0)
 
     # Admission: at most this many requests run at once (each holds a KV session in both engines);
     # later ones wait in arrival order for a slot, up to queue_timeout_s, then fail with Overloaded
@@ -88,7 +101,14 @@ class OrchestratorConfig(BaseSettings):
     drafter_retry_seconds: float = Field(1.0, ge=0.0)
     # None: in-memory store; "redis://host:port/db": Redis.
     store_url: str | None = None
+    # A request's record (what Resume continues) is kept this long after its last progress, by both
+    # stores (the in-memory one also keeps at most orchestrator.store.MAX_MEMORY_REQUESTS records).
     request_ttl_seconds: int = Field(86400, ge=1)
+    # A running request's record is leased to its run for this long after every write of progress
+    # (each iteration); Resume refuses it meanwhile (StillRunning → ABORTED), so two runs never
+    # write one record. A record left by a dead orchestrator can be resumed once the lease runs out;
+    # one whose run was closed (client gone) at once. Keep it well above an iteration's duration.
+    resume_lease_seconds: float = Field(10.0, gt=0.0)
 
     # How Verify carries the draft rows (docs/algorithms.md §12). "lean": for the methods whose rule
     # reads whole rows only on a rejection (token, rd, gsd-tree; the registry's `lean_rows`), each
@@ -96,6 +116,15 @@ class OrchestratorConfig(BaseSettings):
     # rejection) — instead of k + 1 rows of V float32 every iteration. Same tokens for a seeded
     # request either way. "full": every row, every time.
     draft_rows: DraftRowsMode = "lean"
+
+    # Faults and health (docs/reliability.md, "Faults and health"). The health monitor of a served
+    # orchestrator checks the verifier, the drafter and the store this often (orchestrator.health).
+    health_interval_s: float = Field(1.0, gt=0.0)
+    # A drafter call (draft, look-ahead) is abandoned after max(floor, multiple × its expected time)
+    # (measured: adaptation.DrafterCallTimes), and that iteration falls back to a target-only step.
+    # The floor keeps tiny models on a busy machine from tripping it.
+    drafter_timeout_multiple: float = Field(4.0, ge=1.0)
+    drafter_timeout_floor_s: float = Field(1.0, gt=0.0)
 
     @field_validator("default_method")
     @classmethod

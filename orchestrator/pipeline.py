@@ -17,7 +17,11 @@ committed sequence is kept, the others are dropped (the drafter's session resync
 prefix on its next call). When the verification shows that no guess can come true (a rejection
 before the last guessed position), the look-ahead is abandoned: the run's next drafter call
 waits for it (a run's drafter calls never overtake each other, so the session mirror stays
-true; an in-flight call is not cancelled, as the engine would finish it anyway).
+true; an in-flight call is not cancelled, as the engine would finish it anyway). A late
+look-ahead delays neither the verified block nor the next iteration past its own deadline: like
+every drafter call it is cancelled after max(drafter_timeout_floor_s, drafter_timeout_multiple ×
+its expected time) (orchestrator.sessions), the block the verifier committed is kept, and the
+next block is drafted afresh (in a new drafter session) or the iteration runs target-only.
 Why this is exact (docs/algorithms.md §8, "Pipelining / look-ahead pre-drafts"): a draft block
 is a function of its context and of the drafter's randomness, which is keyed on (seed, "draft",
 context length) for sampled drafts and on (seed, position) races for ersd — never on the

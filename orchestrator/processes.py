@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ORCHESTRATOR_PORT = 50050
@@ -132,23 +133,29 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def check_health(address: str, timeout: float = 1.0, service: str = "") -> str:
-    """One gRPC health Check → status name ('SERVING', …); raises grpc.RpcError when unreachable."""
+def check_health(address: str, timeout: float = 1.0, service: str = "", security: Any = None) -> str:
+    """One gRPC health Check → status name ('SERVING', …); raises grpc.RpcError when unreachable.
+
+    `security` (specdec.rpc.security.ClientSecurity): TLS / mTLS of a server that serves them
+    (health needs no token); None = plaintext.
+    """
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    channel = security.sync_channel(address) if security is not None else grpc.insecure_channel(address)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def wait_healthy(address: str, timeout: float, *, alive: Callable[[], bool] | None = None,
-                 name: str = "service", interval: float = 0.1, abort: threading.Event | None = None) -> None:
+                 name: str = "service", interval: float = 0.1, abort: threading.Event | None = None,
+                 security: Any = None) -> None:
     """Poll the gRPC health check until SERVING; bounded by `timeout` seconds.
 
     `alive` lets the caller stop waiting early when the process behind the address has died;
-    `abort` when the user asked to stop.
+    `abort` when the user asked to stop; `security` as for check_health.
     """
     import grpc
 
@@ -164,7 +171,7 @@ def wait_healthy(address: str, timeout: float, *, alive: Callable[[], bool] | No
             raise ProcessError(f"{name} at {address} did not pass its health check within {timeout:.0f}s "
                                f"(last: {last})")
         try:
-            status = check_health(address, timeout=min(1.0, max(remaining, 0.05)))
+            status = check_health(address, timeout=min(1.0, max(remaining, 0.05)), security=security)
             if status == "SERVING":
                 return
             last = status
@@ -267,8 +274,10 @@ def spawn(child: Child, env: dict[str, str] | None = None, cwd: str | Path | Non
     return child
 
 
-def wait_ready(child: Child, timeout: float, abort: threading.Event | None = None) -> str:
-    """Wait for the child's ready file, then for its health check; returns its address."""
+def wait_ready(child: Child, timeout: float, abort: threading.Event | None = None,
+               security: Any = None) -> str:
+    """Wait for the child's ready file, then for its health check (over `security`, as for
+    check_health); returns its address."""
     deadline = time.monotonic() + timeout
     while True:
         if abort is not None and abort.is_set():
@@ -286,7 +295,7 @@ def wait_ready(child: Child, timeout: float, abort: threading.Event | None = Non
         time.sleep(0.05)
     try:
         wait_healthy(child.address, max(1.0, deadline - time.monotonic()), alive=child.alive, name=child.name,
-                     abort=abort)
+                     abort=abort, security=security)
     except ProcessError as error:
         if not child.alive():
             raise ProcessError(describe_exit(child)) from error

@@ -21,6 +21,7 @@ from orchestrator.store import RequestRecord
 from specdec.engine.api import InvalidRequest, ModelInfo
 from specdec.generation import GenerationRequest, GenerationResult, GenerationStats, IterationRecord
 from specdec.methods import METHOD_NAMES, METHODS, Method, get_method
+from specdec.rpc.security import ANONYMOUS
 from specdec.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Run:
     predraft: PreDraft | None = None  # the next block, drafted while the last one was verified
     adaptive: bool = False  # k is re-picked every iteration (orchestrator.adaptation)
     draft_length: DraftLength | None = None  # the adaptive request's chooser (set on its first iteration)
+    owner: str = ANONYMOUS  # the identity the request's record is bound to (RequestRecord.owner)
 
     @property
     def committed(self) -> list[int]:
@@ -111,6 +113,8 @@ class Run:
             finish_reason=self.finish_reason if status == "done" else None,
             text=self.text,
             error=error,
+            owner=self.owner,
+            holder=self.session_id,  # this run writes the record (RequestRecord.holder)
         )
 
     @classmethod
@@ -138,6 +142,7 @@ class Run:
             bonus_guesses=p.get("bonus_guesses", 1),  # runs stored before guesses existed had one
             rejection_guesses=int(p.get("rejection_guesses", 0)),
             adaptive=bool(p.get("adaptive", False)),
+            owner=record.owner,
         )
 
     def result(self) -> GenerationResult:
@@ -164,7 +169,17 @@ def new_session_id(request_id: str) -> str:
 
 
 def check_request(request: GenerationRequest, config: OrchestratorConfig, target: ModelInfo) -> str:
-    """Refuse a request with an InvalidRequest that names the field; returns its method."""
+    """Refuse a request with an InvalidRequest that names the field; returns its method.
+
+    Sizes come first, each read in constant time or bounded by its limit (config: max_prompt_bytes,
+    max_request_id_chars, max_stop_strings, …), so an oversized request costs nothing further.
+    """
+    _check_request_id(request.request_id, config.max_request_id_chars)
+    _check_prompt_size(request, config, target)
+    stop = request.stop or []
+    _check_count("stop", stop, config.max_stop_strings, "stop strings")
+    if request.stop_token_ids is not None:
+        _check_count("stop_token_ids", request.stop_token_ids, config.max_stop_token_ids, "ids")
     method = request.method or config.default_method
     if method not in METHODS:
         raise InvalidRequest(f"method: unknown method {method!r}; choose one of {', '.join(METHOD_NAMES)}")
@@ -176,11 +191,17 @@ def check_request(request: GenerationRequest, config: OrchestratorConfig, target
         isinstance(request.a, (int, float)) and math.isfinite(request.a) and 0.0 <= request.a <= 1.0
     ):
         raise InvalidRequest(f"a must lie in [0, 1], got {request.a!r}")
+    if request.a is not None and not spec.coins:
+        users = " and ".join(name for name in METHOD_NAMES if get_method(name).coins)
+        raise InvalidRequest(f"a: only {users} uses a; leave it unset for method {method}")
     if not isinstance(request.sampling, SamplingParams):  # its own constructor checks the ranges
         raise InvalidRequest("sampling must be a SamplingParams")
-    stop = request.stop or []
     if any(not isinstance(s, str) or not s for s in stop):
         raise InvalidRequest("stop strings must be non-empty strings")
+    longest = max(map(len, stop), default=0)
+    if longest > config.max_stop_chars:
+        raise InvalidRequest(f"stop: a stop string of {longest} characters; at most {config.max_stop_chars} "
+                             "are allowed")
     _check_ids("stop_token_ids", _stop_ids(request, target), target.vocab_size)
     if request.pipeline is not None and not isinstance(request.pipeline, bool):
         raise InvalidRequest(f"pipeline must be a boolean or None, got {request.pipeline!r}")
@@ -193,12 +214,47 @@ def check_request(request: GenerationRequest, config: OrchestratorConfig, target
 
 
 def check_prompt(prompt_ids: Sequence[int], target: ModelInfo) -> None:
+    _check_prompt_tokens(len(prompt_ids), target)  # first: constant time
     _check_ids("prompt_ids", prompt_ids, target.vocab_size)
-    if target.max_context and len(prompt_ids) >= target.max_context:
+
+
+def _check_prompt_tokens(count: int, target: ModelInfo) -> None:
+    if target.max_context and count >= target.max_context:
         raise InvalidRequest(
-            f"prompt: {len(prompt_ids)} tokens leave no room in the target's context window of "
+            f"prompt: {count} tokens leave no room in the target's context window of "
             f"{target.max_context} tokens"
         )
+
+
+def _check_prompt_size(request: GenerationRequest, config: OrchestratorConfig, target: ModelInfo) -> None:
+    """Prompt ids beyond the context window, or a text over max_prompt_bytes, before any work on them
+    (the text is encoded only when its characters alone cannot tell)."""
+    if request.prompt_ids is not None:
+        _check_prompt_tokens(len(request.prompt_ids), target)
+    text, limit = request.prompt, config.max_prompt_bytes
+    if not isinstance(text, str) or len(text) * 4 <= limit:  # at most 4 UTF-8 bytes a character
+        return
+    exact = text.isascii() or len(text) <= limit  # isascii is O(1); encode only a text that may pass
+    size = len(text.encode("utf-8", "surrogatepass")) if exact and not text.isascii() else len(text)
+    if size > limit:
+        raise InvalidRequest(f"prompt: {'' if exact else 'at least '}{size} UTF-8 bytes; at most {limit} "
+                             "are allowed (max_prompt_bytes)")
+
+
+def _check_request_id(request_id: str | None, limit: int) -> None:
+    if not request_id:
+        return  # a fresh id is made
+    if not isinstance(request_id, str):
+        raise InvalidRequest(f"request_id must be a string, got {type(request_id).__name__}")
+    if len(request_id) > limit:
+        raise InvalidRequest(f"request_id: {len(request_id)} characters; at most {limit} are allowed")
+    if not all("!" <= ch <= "~" for ch in request_id):
+        raise InvalidRequest("request_id: only printable ASCII characters without spaces are allowed")
+
+
+def _check_count(name: str, values: Sequence[Any], limit: int, what: str) -> None:
+    if len(values) > limit:
+        raise InvalidRequest(f"{name}: {len(values)} {what}; at most {limit} are allowed")
 
 
 def new_run(

@@ -1,14 +1,20 @@
 """gRPC adapter for the orchestrator's public API (GenerationService).
 
 `orchestrator` is any object with
-    async def generate(request: GenerationRequest) -> GenerationResult
-    def generate_stream(request: GenerationRequest) -> AsyncIterator[GenerationChunk]
-(orchestrator.speculation provides it). Errors map to status codes as documented in
-specdec/rpc/grpc_support.py; a lost verifier (PeerUnavailable) becomes UNAVAILABLE.
+    async def generate(request: GenerationRequest, *, owner: str) -> GenerationResult
+    def generate_stream(request: GenerationRequest, *, owner: str) -> AsyncIterator[GenerationChunk]
+    async def resume(request_id: str, *, owner: str) -> GenerationResult
+    def resume_stream(request_id: str, *, owner: str) -> AsyncIterator[GenerationChunk]
+(orchestrator.speculation provides it). `owner` is the caller's identity
+(specdec.rpc.security.caller_identity: its bearer token or client certificate, as a digest): the
+stored request is bound to it, so only the same identity can resume it. Errors map to status codes
+as documented in specdec/rpc/grpc_support.py; a lost verifier or request store (PeerUnavailable)
+becomes UNAVAILABLE.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Iterable
@@ -16,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from orchestrator.health import HealthMonitor, ServingGate
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
@@ -24,6 +31,7 @@ from specdec.rpc.grpc_support import (
     serve_until_signal,
     start_server,
 )
+from specdec.rpc.security import caller_identity
 from specdec.rpc.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -39,25 +47,56 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(
         self, request: generation_pb2.GenerationRequest, context
     ) -> generation_pb2.GenerationResult:
-        result = await self.orchestrator.generate(convert.generation_request_from_proto(request))
+        result = await self.orchestrator.generate(
+            convert.generation_request_from_proto(request), owner=caller_identity(context)
+        )
         return convert.generation_result_to_proto(result)
 
     @guarded_stream
     async def GenerateStream(
         self, request: generation_pb2.GenerationRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
-        stream = self.orchestrator.generate_stream(convert.generation_request_from_proto(request))
-        if inspect.iscoroutine(stream):  # tolerate `async def generate_stream(...)` returning an iterator
-            stream = await stream
-        try:
-            async for chunk in stream:
-                yield convert.generation_chunk_to_proto(chunk)
-        finally:
-            # The client may cancel mid-stream: close the generator so the orchestrator releases
-            # its sessions now rather than at garbage collection.
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        stream = self.orchestrator.generate_stream(
+            convert.generation_request_from_proto(request), owner=caller_identity(context)
+        )
+        async with contextlib.aclosing(_chunks(stream)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    @guarded
+    async def Resume(
+        self, request: generation_pb2.ResumeRequest, context
+    ) -> generation_pb2.GenerationResult:
+        result = await self.orchestrator.resume(
+            convert.resume_request_from_proto(request), owner=caller_identity(context)
+        )
+        return convert.generation_result_to_proto(result)
+
+    @guarded_stream
+    async def ResumeStream(
+        self, request: generation_pb2.ResumeRequest, context
+    ) -> AsyncIterator[generation_pb2.GenerationChunk]:
+        stream = self.orchestrator.resume_stream(
+            convert.resume_request_from_proto(request), owner=caller_identity(context)
+        )
+        async with contextlib.aclosing(_chunks(stream)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+
+async def _chunks(stream: Any) -> AsyncIterator[generation_pb2.GenerationChunk]:
+    """The orchestrator's chunks as messages; the stream is closed however this ends."""
+    if inspect.iscoroutine(stream):  # tolerate `async def generate_stream(...)` returning an iterator
+        stream = await stream
+    try:
+        async for chunk in stream:
+            yield convert.generation_chunk_to_proto(chunk)
+    finally:
+        # The client may cancel mid-stream: close the generator so the orchestrator releases
+        # its sessions (and the request's lease) now rather than at garbage collection.
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def start_orchestrator_server(
@@ -68,18 +107,34 @@ async def start_orchestrator_server(
     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    health_interval_s: float | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Start a GenerationService (+ health, reflection); returns (server, bound port)."""
+    """Start a GenerationService (+ health, reflection); returns (server, bound port).
+
+    An orchestrator that watches its dependencies (`check_dependencies`, orchestrator.speculation)
+    gets a health status that follows them (orchestrator.health.HealthMonitor, a round every
+    `health_interval_s`, default its config's): NOT_SERVING from the start until its verifier
+    answers; and its calls are answered UNAVAILABLE before any work while the verifier is not there
+    (ServingGate, after `interceptors`)."""
     servicer = GenerationServicer(orchestrator)
-    return await start_server(
+    monitor = gate = None
+    if hasattr(orchestrator, "check_dependencies"):
+        interval = health_interval_s or orchestrator.config.health_interval_s
+        monitor = HealthMonitor(orchestrator, interval, [SERVICE_NAME])
+        gate = ServingGate(orchestrator, f"/{SERVICE_NAME}/")
+    server, bound = await start_server(
         lambda server: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
         host,
         port,
         max_message_mb=max_message_mb,
-        interceptors=interceptors,
+        interceptors=[*interceptors, *([gate] if gate is not None else [])],
         credentials=credentials,
+        on_stop=[monitor.stop] if monitor is not None else [],
     )
+    if monitor is not None:
+        await monitor.start(server)
+    return server, bound
 
 
 async def serve_orchestrator(orchestrator: Any, host: str = "127.0.0.1", port: int = 50050, *,

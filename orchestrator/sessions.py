@@ -14,6 +14,15 @@ Lean draft rows (docs/algorithms.md §12): in "lean" mode a verify of a method w
 sends each node's q(x̃) and the rows known to be read (`rows_up_front`) instead of all rows; when
 the verifier answers draft_rows_needed (it then holds `committed` and nothing more), the same
 verify is resent with those rows added, as a call of its own on the timeline ("verify-rows").
+
+Faults (orchestrator.failover, orchestrator.health), through the run's `watch` (the orchestrator):
+each drafter call has a deadline and is cancelled past it (DrafterSlow); the drafter session it was
+on is then retired — the engine may still apply the cancelled call, so the run goes on in a new
+drafter session (released with the others at the end) and never reads a state it cannot know. An
+engine that forgot the run's session (SessionGone) may have restarted: its info is re-read before
+the context is resent, and a drafter that changed (another vocabulary, a shorter context) or
+refuses a call with InvalidRequest after a change ends the iteration's drafting (DrafterDown); a
+verifier that changed fails the request (UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -21,16 +30,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import DraftRowsMode
-from orchestrator.failover import DrafterDown
+from orchestrator.failover import DrafterChanged, DrafterDown, DrafterIncompatible, DrafterSlow
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
+    EngineError,
+    InvalidRequest,
     LookaheadRequest,
     LookaheadResult,
     Overloaded,
@@ -41,6 +53,7 @@ from specdec.engine.api import (
     VerifyRequest,
 )
 from specdec.methods import get_method
+from specdec.trees import max_depth
 from specdec.verification.lean import token_probs
 
 if TYPE_CHECKING:
@@ -56,6 +69,36 @@ T = TypeVar("T")
 RELEASE_TIMEOUT_S = 5.0
 
 SessionCall = Callable[[int, list[int]], Awaitable[T]]  # (base_len, append) -> the service's answer
+OnGone = Callable[[], Awaitable[None]]  # before a resend after SessionGone; raises to give up instead
+
+
+class EngineWatch(Protocol):
+    """What a run reports to, and asks of, the orchestrator about its engines (module docstring)."""
+
+    @property
+    def target_vocab_size(self) -> int | None:
+        """The verifier's vocabulary size: a drafter's answer must fit it."""
+        ...
+
+    def drafter_deadline(self, passes: int, catch_up: int) -> float:
+        """Seconds a drafter call of `passes` forward passes after `catch_up` new tokens may take."""
+        ...
+
+    def drafter_took(self, passes: int, catch_up: int, seconds: float, cut_off: bool = False) -> None: ...
+
+    def verifier_took(self, passes: int, catch_up: int, seconds: float) -> None: ...
+
+    async def drafter_changed(self) -> EngineError | None:
+        """Re-read the drafter's info (it may have restarted): why not to draft now, or None."""
+        ...
+
+    async def verifier_changed(self) -> None:
+        """Re-read the verifier's info; raise (PeerUnavailable) when it may not be used."""
+        ...
+
+    def verifier_lost(self, exc: PeerUnavailable) -> None:
+        """A verifier call failed as unreachable."""
+        ...
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -65,6 +108,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _fits(result: DraftResult | LookaheadResult, vocab_size: int) -> bool:
+    """Whether a drafter's answer lies in the verifier's vocabulary (token ids and row width)."""
+    if isinstance(result, LookaheadResult):
+        return all(0 <= b.token < vocab_size and _fits(b.draft, vocab_size) for b in result.branches)
+    rows = result.draft_probs
+    return all(0 <= t < vocab_size for t in result.tokens) and (rows is None or rows.shape[-1] == vocab_size)
 
 
 def draft_rows(draft: DraftResult, n: int) -> torch.Tensor:
@@ -80,8 +131,9 @@ class SessionMirror:
 
     held: list[int] = field(default_factory=list)
 
-    async def call(self, target: list[int], fn: SessionCall[T]) -> T:
-        """fn(base_len, append) so that the service holds `target`; resend all once on SessionGone."""
+    async def call(self, target: list[int], fn: SessionCall[T], on_gone: OnGone | None = None) -> T:
+        """fn(base_len, append) so that the service holds `target`; resend all once on SessionGone
+        (after `on_gone()`, which may raise instead)."""
         held = self.held
         base = common_prefix(held, target)
         try:
@@ -89,6 +141,8 @@ class SessionMirror:
                 result = await fn(base, target[base:])
             except SessionGone:
                 base = 0
+                if on_gone is not None:
+                    await on_gone()
                 result = await fn(0, list(target))
         except BaseException:
             self.held = held[:base]  # the old mirror or `target`: both start with held[:base]
@@ -105,14 +159,17 @@ class RunSessions:
 
     def __init__(
         self, run: Run, drafter: DrafterClient | None, verifier: VerifierClient, *,
-        draft_rows: DraftRowsMode = "lean",
+        draft_rows: DraftRowsMode = "lean", watch: EngineWatch | None = None,
     ) -> None:
         self.run = run
         self.drafter = drafter
         self.verifier = verifier
         self.draft_rows = draft_rows
+        self.watch = watch  # deadlines of drafter calls, re-checks of restarted engines (None: neither)
         self.drafter_mirror = SessionMirror()
         self.verifier_mirror = SessionMirror()
+        self.drafter_session = run.session_id  # a new one after a call was abandoned (module docstring)
+        self.retired_sessions: list[str] = []
         self.drafter_pending: asyncio.Task | None = None  # an abandoned pre-draft still in its call
         spec = get_method(run.method)
         self.strategy = spec.draft_strategy or "sample"  # target-only runs never draft
@@ -124,11 +181,11 @@ class RunSessions:
         drafter, run = self._drafter(), self.run
 
         def call(base: int, append: list[int]) -> Awaitable[DraftResult]:
-            return drafter.draft(DraftRequest(
-                session_id=run.session_id, base_len=base, append=append, shape_parents=list(shape),
+            return self._deadlined(drafter.draft(DraftRequest(
+                session_id=self.drafter_session, base_len=base, append=append, shape_parents=list(shape),
                 sampling=run.sampling, seed=run.seed, strategy=self.strategy,
                 want_distributions=self.want_rows,
-            ))
+            )), passes=max(1, max_depth(shape)), catch_up=len(append))
 
         return await self._drafter_call(context, call, timeline, "draft")
 
@@ -139,11 +196,11 @@ class RunSessions:
         drafter, run = self._drafter(), self.run
 
         def call(base: int, append: list[int]) -> Awaitable[LookaheadResult]:
-            return drafter.lookahead(LookaheadRequest(
-                session_id=run.session_id, base_len=base, append=append, k=k, sampling=run.sampling,
+            return self._deadlined(drafter.lookahead(LookaheadRequest(
+                session_id=self.drafter_session, base_len=base, append=append, k=k, sampling=run.sampling,
                 seed=run.seed, strategy=self.strategy, want_distributions=self.want_rows,
                 bonus_guesses=bonus_guesses, rejection_guesses=rejection_guesses,
-            ))
+            )), passes=k + 1, catch_up=len(append))
 
         return await self._drafter_call(context, call, timeline, "lookahead")
 
@@ -167,16 +224,61 @@ class RunSessions:
 
     async def _drafter_call(self, target: list[int], call: SessionCall[T], timeline: Timeline, op: str) -> T:
         """One drafter call that leaves the drafter holding `target`: after any abandoned pre-draft
-        (a run's drafter calls never overtake each other), timed, a lost drafter as DrafterDown."""
+        (a run's drafter calls never overtake each other), timed, with a deadline, a lost, late or
+        changed drafter as DrafterDown."""
 
         async def settled_call() -> T:
             await self.settle_drafter()
-            return await self.drafter_mirror.call(target, call)
+            return await self.drafter_mirror.call(target, call, self._drafter_gone)
 
         try:
-            return await timeline.timed("draft", settled_call(), op)
-        except (PeerUnavailable, Overloaded) as exc:  # an overloaded drafter is shed like a lost one
+            result = await timeline.timed("draft", settled_call(), op)
+        except DrafterSlow as exc:
+            self._retire_drafter_session()
             raise DrafterDown(exc) from exc
+        except (PeerUnavailable, Overloaded, DrafterIncompatible, DrafterChanged) as exc:
+            raise DrafterDown(exc) from exc  # an overloaded drafter is shed like a lost one
+        except InvalidRequest as exc:  # e.g. a context beyond a restarted drafter's shorter window
+            change = await self.watch.drafter_changed() if self.watch is not None else None
+            if change is None:
+                raise  # the drafter is as it was: a real error
+            raise DrafterDown(change) from exc
+        vocab = self.watch.target_vocab_size if self.watch is not None else None
+        if vocab is not None and not _fits(result, vocab):  # a drafter restarted with another vocabulary
+            self.drafter_mirror = SessionMirror()
+            change = await self.watch.drafter_changed() if self.watch is not None else None
+            raise DrafterDown(change or DrafterIncompatible(f"the drafter answered {op} with tokens or rows "
+                                                            f"outside the verifier's vocabulary of {vocab}"))
+        return result
+
+    async def _deadlined(self, call: Awaitable[T], *, passes: int, catch_up: int) -> T:
+        """Await a drafter call, cancelled past its deadline (DrafterSlow); its time is reported."""
+        watch = self.watch
+        if watch is None:
+            return await call
+        deadline = watch.drafter_deadline(passes, catch_up)
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(deadline):
+                result = await call
+        except TimeoutError:
+            watch.drafter_took(passes, catch_up, deadline, cut_off=True)
+            raise DrafterSlow(f"a drafter call ({passes} passes after {catch_up} new tokens) ran past its "
+                              f"{deadline:.2f} s deadline and was abandoned") from None
+        watch.drafter_took(passes, catch_up, time.perf_counter() - started)
+        return result
+
+    async def _drafter_gone(self) -> None:
+        """The drafter forgot the run's session: if it restarted as another drafter, do not resend."""
+        change = await self.watch.drafter_changed() if self.watch is not None else None
+        if change is not None:
+            raise change
+
+    def _retire_drafter_session(self) -> None:
+        """Go on in a fresh drafter session: the abandoned call may still change the old one."""
+        self.retired_sessions.append(self.drafter_session)
+        self.drafter_session = f"{self.run.session_id}~{len(self.retired_sessions)}"
+        self.drafter_mirror = SessionMirror()
 
     # verifier ----------------------------------------------------------------------------------
     async def score(self, committed: list[int], tree: DraftTree, *, timeline: Timeline) -> None:
@@ -189,7 +291,7 @@ class RunSessions:
                 tree_parents=list(tree.parents), sampling=run.sampling,
             ))
 
-        await timeline.timed("verify", self.verifier_mirror.call(committed, call), "score")
+        await self._verifier_call(committed, call, timeline, "score")
 
     async def verify(
         self, committed: list[int], tree: DraftTree, *, method: str, params: MethodParams,
@@ -220,7 +322,11 @@ class RunSessions:
                 request.draft_probs = draft_probs
             return verifier.verify(request)
 
-        outcome = await timeline.timed("verify", self.verifier_mirror.call(committed, call))
+        catch_up = len(committed) - common_prefix(self.verifier_mirror.held, committed)
+        started = time.perf_counter()
+        outcome = await self._verifier_call(committed, call, timeline)
+        if self.watch is not None:
+            self.watch.verifier_took(1, catch_up, time.perf_counter() - started)
         forward_seconds, verify_seconds = outcome.forward_seconds, outcome.verify_seconds
         while outcome.draft_rows_needed:
             asked = set(outcome.draft_rows_needed)
@@ -228,27 +334,46 @@ class RunSessions:
                 raise RuntimeError(f"verifier asked for draft rows {sorted(asked)} of a {len(tree)}-node "
                                    f"{'lean' if lean else 'full'} verify that carried {sorted(rows)}")
             rows |= asked
-            retry = self.verifier_mirror.call(committed, call)  # it holds committed: base_len = all of it
-            outcome = await timeline.timed("verify", retry, "verify-rows")
+            outcome = await self._verifier_call(committed, call, timeline, "verify-rows")  # base_len = all
             forward_seconds += outcome.forward_seconds
             verify_seconds += outcome.verify_seconds
         self.verifier_mirror.held = committed + list(outcome.tokens)  # the verifier committed them
         return dataclasses.replace(outcome, forward_seconds=forward_seconds, verify_seconds=verify_seconds)
 
+    async def _verifier_call(
+        self, target: list[int], call: SessionCall[T], timeline: Timeline, op: str | None = None
+    ) -> T:
+        """One verifier call that leaves the verifier holding `target`, timed; a lost verifier is
+        reported to the watch (health: not SERVING until it is seen again) and raised."""
+        mirrored = self.verifier_mirror.call(target, call, self._verifier_gone)
+        try:
+            return await timeline.timed("verify", mirrored, op)
+        except PeerUnavailable as exc:
+            if self.watch is not None:
+                self.watch.verifier_lost(exc)
+            raise
+
+    async def _verifier_gone(self) -> None:
+        """The verifier forgot the run's session: if it restarted as another model, fail the run."""
+        if self.watch is not None:
+            await self.watch.verifier_changed()
+
     # the end of the run ------------------------------------------------------------------------
     async def close(self) -> None:
-        """Wait (briefly) for an abandoned pre-draft, then release both sessions; never raises."""
+        """Wait (briefly) for an abandoned pre-draft, then release every session; never raises."""
         if self.drafter_pending is not None:
             try:
                 async with asyncio.timeout(RELEASE_TIMEOUT_S):
                     await self.settle_drafter()
             except TimeoutError:
                 log.debug("an abandoned pre-draft of %s is still running", self.run.session_id)
-        for client in (self.drafter, self.verifier):
-            if client is None:
-                continue
+        sessions: list[tuple[DrafterClient | VerifierClient, str]] = []
+        if self.drafter is not None:
+            sessions += [(self.drafter, s) for s in (*self.retired_sessions, self.drafter_session)]
+        sessions.append((self.verifier, self.run.session_id))
+        for client, session_id in sessions:
             try:
                 async with asyncio.timeout(RELEASE_TIMEOUT_S):
-                    await client.release(self.run.session_id)
+                    await client.release(session_id)
             except Exception as exc:  # a lost session is no loss: the engines evict it anyway
-                log.debug("release of session %s failed: %s", self.run.session_id, exc)
+                log.debug("release of session %s failed: %s", session_id, exc)

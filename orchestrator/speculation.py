@@ -22,32 +22,49 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from orchestrator import pipeline, scheduling
+from orchestrator import health, pipeline, scheduling
 from orchestrator.accounting import CALIBRATION_FLUSH_ITERATIONS, account, flush_calibration
-from orchestrator.adaptation import DraftLength, Observation, PairEstimates
+from orchestrator.adaptation import DrafterCallTimes, DraftLength, Observation, PairEstimates
 from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import OrchestratorConfig
-from orchestrator.failover import Backoff, DrafterDown, both, connect_drafter
+from orchestrator.failover import (
+    Backoff,
+    DrafterChanged,
+    DrafterDown,
+    DrafterIncompatible,
+    DrafterSlow,
+    both,
+    drafter_deadline,
+    pair_config,
+    vocabulary_mismatch,
+)
+from orchestrator.health import Dependencies, VerifierIncompatible, VerifierNotReady, verifier_change
 from orchestrator.output import absorb, context_full, text_delta
 from orchestrator.run import Run, Timeline, adaptable, check_prompt, check_request, new_run
 from orchestrator.sessions import RunSessions, draft_rows
-from orchestrator.store import Store, open_store
+from orchestrator.store import RequestRecord, Store, open_store
 from specdec.engine.api import (
+    AlreadyExists,
     DraftResult,
+    EngineError,
     InvalidRequest,
     ModelInfo,
+    NotFound,
     Overloaded,
     PeerUnavailable,
+    StillRunning,
+    StoreUnavailable,
     VerifyOutcome,
 )
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult, IterationRecord
 from specdec.methods import TARGET_ONLY_VERIFICATION, get_method
+from specdec.rpc.security import ANONYMOUS
 from specdec.trees import DraftTree
 from specdec.verification.base import MethodParams
 
@@ -55,6 +72,9 @@ if TYPE_CHECKING:
     from orchestrator.tracing import IterationProbe, LoopObserver, RequestProbe
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RECHECK_S = 0.25  # a request re-checks a verifier not seen answering at most this often (ensure_serving)
 
 
 class Orchestrator:
@@ -88,18 +108,53 @@ class Orchestrator:
         self.draft_info: ModelInfo | None = None
         self._backoff = Backoff()
         self._estimates: dict[str, PairEstimates] = {}  # per model pair and method (adaptation.py)
+        # Faults and health (health.py): what health, /metrics and the request gate read.
+        self.dependencies = Dependencies(drafter=drafter is not None)
+        self.refused: InvalidRequest | None = None  # why start() refused the pair (vocabulary mismatch)
+        self._baseline: ModelInfo | None = None  # the verifier's info at start: later infos must fit it
+        self._base_config = self.config  # before any pair's calibration (re-applied when a model changes)
+        self._drafter_recheck = False  # re-read the drafter's info before drafting again
+        self._call_times = DrafterCallTimes()  # the expected time, hence the deadline, of drafter calls
+        self._checks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Task]] = {}  # shared checks
+        self._verifier_checked = 0.0  # monotonic time of the last re-read of the verifier's info
         self.admission = RequestSlots(self.config.max_active_requests, self.config.queue_timeout_s)
 
     # lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Read both services' info; refuse a pair whose vocabularies differ.
+        """Read both services' info; refuse a pair whose vocabularies differ (InvalidRequest, also
+        kept on `refused`; the orchestrator stays unstarted).
 
-        An unreachable drafter is not an error: generation runs target-only until it answers
-        (its info is checked then).
+        An unreachable verifier: VerifierNotReady (UNAVAILABLE; the health monitor or the next
+        request tries again). An unreachable drafter is not an error: generation runs target-only
+        until it answers (its info is checked then).
         """
-        self.target_info = await self.verifier.info()
+        deps = self.dependencies
+        try:
+            target = await self.verifier.info()
+        except PeerUnavailable as exc:
+            deps.update(deps.verifier, health.UNREACHABLE, str(exc))
+            raise VerifierNotReady("verifier not ready: it does not answer yet; retry shortly") from None
+        if self._baseline is not None and (change := verifier_change(target, self._baseline)) is not None:
+            deps.update(deps.verifier, health.INCOMPATIBLE, change)
+            raise VerifierIncompatible(change)
+        draft = None
         if self.drafter is not None:
-            await self._connect_drafter()
+            try:
+                draft = await self.drafter.info()
+            except PeerUnavailable as exc:
+                self._drafter_lost(exc)
+            else:
+                mismatch = vocabulary_mismatch(draft, target)
+                if mismatch is not None:
+                    deps.update(deps.drafter, health.INCOMPATIBLE, mismatch)
+                    self.refused = InvalidRequest(mismatch)
+                    raise self.refused
+        self.refused = None
+        self._baseline = self._baseline or target
+        self.target_info = target
+        if draft is not None:
+            self._use_drafter(draft)
+        deps.update(deps.verifier, health.OK)
 
     async def close(self) -> None:
         for client in (self.drafter, self.verifier):
@@ -114,41 +169,56 @@ class Orchestrator:
         return f"{draft}|{target}"
 
     # public API --------------------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        return await _last_result(self.generate_stream(request))
+    async def generate(self, request: GenerationRequest, *, owner: str = ANONYMOUS) -> GenerationResult:
+        return await _last_result(self.generate_stream(request, owner=owner))
 
-    async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate_stream(
+        self, request: GenerationRequest, *, owner: str = ANONYMOUS
+    ) -> AsyncIterator[GenerationChunk]:
         """The request's chunks; it first waits for a request slot (Overloaded when none frees up in
-        time), held until the stream ends or is closed."""
+        time), held until the stream ends or is closed. Its record is created bound to `owner` (the
+        caller's identity, specdec.rpc.security): a request_id that already has one is refused
+        (AlreadyExists), whoever owns it, and its stored progress is left as it was."""
         async with self.admission.slot():
             if self.target_info is None:
                 await self.start()
-            run = await self._new_run(request)
-            async for chunk in self._drive(run):
-                yield chunk
+            run = await self._new_run(request, owner)
+            async with contextlib.aclosing(self._run(run)) as chunks:  # closed with this stream
+                async for chunk in chunks:
+                    yield chunk
 
-    async def resume(self, request_id: str) -> GenerationResult:
+    async def resume(self, request_id: str, *, owner: str = ANONYMOUS) -> GenerationResult:
         """Continue a stored request from its stored tokens (a finished one is returned as is)."""
-        return await _last_result(self.resume_stream(request_id))
+        return await _last_result(self.resume_stream(request_id, owner=owner))
 
-    async def resume_stream(self, request_id: str) -> AsyncIterator[GenerationChunk]:
-        """As generate_stream, from a stored request (it takes a request slot the same way)."""
+    async def resume_stream(
+        self, request_id: str, *, owner: str = ANONYMOUS
+    ) -> AsyncIterator[GenerationChunk]:
+        """As generate_stream, from `owner`'s stored request (it takes a request slot the same way).
+
+        The first chunk carries the tokens stored so far, so the chunks put together are the whole
+        output. NotFound when `owner` has no such request (another owner's reads the same);
+        StillRunning while a live run holds the record's lease (docs/reliability.md).
+        """
         async with self.admission.slot():
             if self.target_info is None:
                 await self.start()
             record = await self.store.get_request(request_id)
-            if record is None:
-                raise InvalidRequest(f"request_id: no stored request {request_id!r}")
+            if record is None or record.owner != owner:
+                raise NotFound(f"request_id: no stored request {request_id!r}")
             run = Run.from_record(record)
             if record.status == "done":
                 run.finish_reason = record.finish_reason or "length"
                 run.text = record.text
-                yield GenerationChunk([], "", run.result())
+                yield GenerationChunk(list(run.generated), run.text, run.result())
                 return
             run.text = await self.verifier.decode(run.generated) if run.generated else ""
             run.text_sent = len(run.text)
-            async for chunk in self._drive(run):
-                yield chunk
+            await self._claim(run, record)
+            stored = GenerationChunk(list(run.generated), run.text) if run.generated else None
+            async with contextlib.aclosing(self._run(run, stored)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     def admission_stats(self) -> dict[str, int]:
         """Requests running, waiting for a slot, refused so far, and the limit (read by /metrics)."""
@@ -157,7 +227,7 @@ class Orchestrator:
                 "limit": slots.limit}
 
     # request set-up ----------------------------------------------------------------------------
-    async def _new_run(self, request: GenerationRequest) -> Run:
+    async def _new_run(self, request: GenerationRequest, owner: str) -> Run:
         target = self.target_info
         assert target is not None
         method = check_request(request, self.config, target)
@@ -165,16 +235,54 @@ class Orchestrator:
         check_prompt(prompt_ids, target)
         run = new_run(request, method=method, prompt_ids=prompt_ids,
                       rank_acceptance=await self._rank_acceptance(method), config=self.config, target=target)
-        await self._save(run, "running")
+        run.owner = owner
+        if not await self.store.create_request(self._record(run, "running")):
+            raise AlreadyExists(f"request_id {run.request_id!r} already exists; Resume continues it")
         return run
+
+    async def _claim(self, run: Run, record: RequestRecord) -> None:
+        """Take a stored request over for this run: refused while another run holds its lease, and
+        by compare-and-set, so of two Resumes racing for it one wins."""
+        now = time.time()
+        if record.lease_until > now:
+            raise StillRunning(
+                f"request_id {run.request_id!r} is still running (last progress "
+                f"{now - record.updated_at:.1f} s ago); Resume it once it has stopped, or after "
+                f"{record.lease_until - now:.1f} s without progress"
+            )
+        claimed = self._record(run, "running")
+        if not await self.store.replace_request(claimed, if_updated_at=record.updated_at):
+            raise StillRunning(f"request_id {run.request_id!r} was taken over by another run just now")
+
+    async def _run(self, run: Run, first: GenerationChunk | None = None) -> AsyncIterator[GenerationChunk]:
+        """`first`, then the run's chunks. A run closed before its end (its client went away) hands
+        its lease back at once, so the request can be resumed without waiting for the lease to pass."""
+        stream = self._drive(run)
+        ended = False
+        try:
+            if first is not None:
+                yield first
+            async for chunk in stream:
+                yield chunk
+            ended = True
+        except Exception:
+            ended = True  # _drive recorded the failure, which holds no lease
+            raise
+        finally:
+            await stream.aclose()
+            if not ended and run.finish_reason is None:
+                await self._release(run)
 
     async def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_ids and request.prompt:
             raise InvalidRequest("prompt: give either prompt text or prompt_ids, not both")
         if request.prompt_ids:
             return [int(t) for t in request.prompt_ids]
-        if request.prompt:
-            ids = await self.verifier.tokenize(request.prompt)
+        if request.prompt:  # its size was checked first (check_request: max_prompt_bytes)
+            try:
+                ids = await self.verifier.tokenize(request.prompt)
+            except InvalidRequest as exc:  # e.g. too long for the context: the client sent a prompt
+                raise InvalidRequest(f"prompt: {str(exc).removeprefix('text: ')}") from None
             if ids:
                 return list(ids)
         raise InvalidRequest("prompt: the prompt is empty (give prompt text or prompt_ids)")
@@ -227,7 +335,9 @@ class Orchestrator:
             error = exc
             try:
                 await self._save(run, "failed", error=f"{type(exc).__name__}: {exc}")
-            except Exception:  # the store may be what failed
+            except StoreUnavailable:  # the store is what failed (it logs its outage once); raise exc
+                pass
+            except Exception:
                 log.exception("could not record the failure of request %s", run.request_id)
             raise
         finally:
@@ -248,6 +358,9 @@ class Orchestrator:
         self, run: Run, sessions: RunSessions, probe: IterationProbe | None, started: float
     ) -> None:
         """One iteration: decide → draft (or take the pre-draft) → verify → stop conditions → account."""
+        await self.ensure_serving()  # a verifier lost or changed under the run fails it (UNAVAILABLE)
+        if sessions.watch is None:
+            sessions.watch = self  # deadlines of drafter calls, re-checks of restarted engines
         committed = run.committed
         position = len(committed)
         timeline = Timeline(probe)
@@ -348,23 +461,204 @@ class Orchestrator:
 
     # the drafter's availability (failover.py) --------------------------------------------------
     async def _drafter_ready(self) -> bool:
-        """Whether to draft now: a drafter, not backing off after a loss, its info read and checked."""
+        """Whether to draft now: a drafter, not backing off after a loss, its info read and checked
+        (again after it was lost or seen changing: it may have restarted with another model)."""
         if self.drafter is None or self._backoff.waiting:
             return False
-        return self.draft_info is not None or await self._connect_drafter()
+        if self.draft_info is None or self._drafter_recheck:
+            return await self._connect_drafter()
+        return True
 
     async def _connect_drafter(self) -> bool:
-        """Read and check the drafter's info (its pair's calibration applied); False when it is away."""
+        """(Re-)read the drafter's info and check it against the verifier's; True when it may draft.
+
+        Unreachable: back off. Another vocabulary or tokenizer (a drafter restarted with another
+        model): target-only steps, its info re-read after each back-off; its dependency state (one log
+        line per change) says why. Whatever its context window, it caps the drafts (`_depth_cap`).
+        One read serves every request that asks meanwhile.
+        """
+        return await self._once("drafter", self._read_drafter)
+
+    async def _read_drafter(self) -> bool:
         assert self.drafter is not None and self.target_info is not None
         try:
-            self.draft_info, self.config = await connect_drafter(self.drafter, self.target_info, self.config)
+            async with asyncio.timeout(health.PROBE_TIMEOUT_S):
+                info = await self.drafter.info()
         except PeerUnavailable as exc:
             self._drafter_lost(exc)
             return False
+        except TimeoutError:  # too busy to answer its Info: no use drafting with it for a while
+            log.debug("the drafter's Info did not answer within %g s", health.PROBE_TIMEOUT_S)
+            self._backoff.wait(self.config.drafter_retry_seconds)
+            return False
+        mismatch = vocabulary_mismatch(info, self.target_info)
+        if mismatch is not None:
+            deps = self.dependencies
+            deps.update(deps.drafter, health.INCOMPATIBLE, f"{mismatch}; target-only steps")
+            self._backoff.wait(self.config.drafter_retry_seconds)
+            self._drafter_recheck = True
+            return False
+        self._use_drafter(info)
         return True
 
+    def _use_drafter(self, info: ModelInfo) -> None:
+        """Draft with this drafter from now on (its pair's calibration applied): it answered and fits."""
+        assert self.target_info is not None
+        if info != self.draft_info:
+            if self.draft_info is not None:
+                log.info("the drafter is now %s (context window %d)", info.model_id, info.max_context)
+            self.draft_info = info
+            self.config = pair_config(self._base_config, info, self.target_info)
+        self._drafter_recheck = False
+        deps = self.dependencies
+        if not deps.drafter.ok:
+            self._backoff.clear()  # it is back: draft at once
+            deps.update(deps.drafter, health.OK)
+
     def _drafter_lost(self, exc: Exception) -> None:
-        self._backoff.lost(exc, self.config.drafter_retry_seconds)
+        """Back off after a lost, overloaded, late or changed drafter (failover.DrafterLoss)."""
+        retry = self.config.drafter_retry_seconds
+        deps = self.dependencies
+        if isinstance(exc, DrafterChanged):  # its new info is in use already: only this iteration fell back
+            return
+        if isinstance(exc, DrafterIncompatible):  # logged once, by its dependency state
+            self._backoff.wait(retry)
+            self._drafter_recheck = True
+            return
+        if isinstance(exc, PeerUnavailable):  # it may come back as another drafter: re-read its info then
+            self._backoff.wait(retry)
+            self._drafter_recheck = True
+            deps.update(deps.drafter, health.UNREACHABLE, f"{exc}; target-only, retry every {retry:g} s")
+            return
+        if isinstance(exc, DrafterSlow):
+            deps.drafter_timeouts += 1
+        self._backoff.lost(exc, retry)
+
+    # engines re-checked after a restart, health (health.py) -------------------------------------
+    async def ensure_serving(self) -> None:
+        """Raise VerifierNotReady or VerifierIncompatible (UNAVAILABLE) unless the verifier was last
+        seen answering and fitting. One not seen so is looked at again first (one check for every
+        request that asks meanwhile, at most every RECHECK_S), so requests never wait for the health
+        monitor's next round; the pair refused at start raises its InvalidRequest."""
+        if self.dependencies.verifier.ok:
+            return
+        if self.target_info is None:
+            await self._once("start", self.start)
+            return
+        if time.monotonic() - self._verifier_checked >= RECHECK_S:
+            await self._once("verifier", self._recheck_verifier)
+        self._raise_unless_verifier_ok()
+
+    async def check_dependencies(self) -> bool:
+        """One round of the health monitor (health.HealthMonitor): the verifier and the drafter (their
+        health check, then their info: an engine restarted with another model is seen within a round
+        even when its requests did not notice; a drafter is never a reason for NOT_SERVING) and the
+        store (`ping`). Returns whether to report SERVING."""
+        deps = self.dependencies
+        if self.target_info is None:
+            with contextlib.suppress(PeerUnavailable, InvalidRequest):  # in deps / `refused`
+                await self._once("start", self.start)
+        elif not await health.answers(self.verifier):
+            deps.update(deps.verifier, health.UNREACHABLE, "no answer to its health check")
+        else:
+            await self._once("verifier", self._recheck_verifier)
+        if self.drafter is not None and self.target_info is not None:
+            if not await health.answers(self.drafter):
+                deps.update(deps.drafter, health.UNREACHABLE, "no answer to its health check; target-only")
+                self._drafter_recheck = True
+            else:
+                await self._connect_drafter()
+        await health.check_store(self.store, deps)
+        return deps.serving
+
+    def dependency_status(self) -> dict:
+        """The dependencies as last seen (health.Dependencies.status; read by /metrics)."""
+        return self.dependencies.status()
+
+    async def _recheck_verifier(self) -> None:
+        """Re-read the verifier's info: OK when it has the vocabulary and tokenizer it had at start (a
+        new context window or model id is taken over), else incompatible; unreachable when it does not
+        answer. An Info that does not answer in time (a busy verifier) changes nothing."""
+        deps = self.dependencies
+        self._verifier_checked = time.monotonic()
+        try:
+            async with asyncio.timeout(health.PROBE_TIMEOUT_S):
+                info = await self.verifier.info()
+        except PeerUnavailable as exc:
+            deps.update(deps.verifier, health.UNREACHABLE, str(exc))
+            return
+        except TimeoutError:
+            return
+        assert self._baseline is not None
+        change = verifier_change(info, self._baseline)
+        if change is not None:
+            deps.update(deps.verifier, health.INCOMPATIBLE, change)
+            return
+        if info != self.target_info:
+            log.info("the verifier is now %s (context window %d)", info.model_id, info.max_context)
+            self.target_info = info
+            if self.draft_info is not None:
+                self.config = pair_config(self._base_config, self.draft_info, info)
+        deps.update(deps.verifier, health.OK)
+
+    def _raise_unless_verifier_ok(self) -> None:
+        state = self.dependencies.verifier
+        if state.state == health.INCOMPATIBLE:
+            raise VerifierIncompatible(state.detail)
+        if not state.ok:
+            raise VerifierNotReady("verifier not ready: it does not answer; retry shortly")
+
+    async def _once(self, key: str, check: Callable[[], Awaitable[T]]) -> T:
+        """check() once for every caller that asks while it runs (e.g. one Info for a burst)."""
+        loop = asyncio.get_running_loop()
+        entry = self._checks.get(key)
+        if entry is None or entry[0] is not loop or entry[1].done():
+            entry = (loop, loop.create_task(check()))
+            self._checks[key] = entry
+        return await asyncio.shield(entry[1])
+
+    # sessions.EngineWatch: what runs report and ask about the engines
+    @property
+    def target_vocab_size(self) -> int | None:
+        return self.target_info.vocab_size if self.target_info is not None else None
+
+    def drafter_deadline(self, passes: int, catch_up: int) -> float:
+        expected = self._call_times.expected(passes, catch_up, self.config.drafter_timeout_floor_s)
+        return drafter_deadline(expected, self.config)
+
+    def drafter_took(self, passes: int, catch_up: int, seconds: float, cut_off: bool = False) -> None:
+        self._call_times.observe(passes, catch_up, seconds, cut_off=cut_off)
+
+    def verifier_took(self, passes: int, catch_up: int, seconds: float) -> None:
+        self._call_times.observe_verifier(passes, catch_up, seconds)
+
+    async def drafter_changed(self) -> EngineError | None:
+        """The drafter forgot a session or refused a call: re-read its info. Why the iteration must not
+        draft (it is away, incompatible, or changed: e.g. a shorter context), or None (as it was)."""
+        before = self.draft_info
+        if not await self._connect_drafter():
+            state = self.dependencies.drafter
+            if state.state == health.INCOMPATIBLE:
+                return DrafterIncompatible(state.detail)
+            return PeerUnavailable("drafter unavailable")
+        info = self.draft_info
+        if info != before and info is not None:
+            return DrafterChanged(f"the drafter is now {info.model_id!r} (context window {info.max_context})")
+        return None
+
+    async def verifier_changed(self) -> None:
+        """The verifier forgot a session (it may have restarted): re-read its info; raise
+        VerifierIncompatible / VerifierNotReady when it may not be used."""
+        await self._once("verifier", self._recheck_verifier)
+        self._raise_unless_verifier_ok()
+
+    def verifier_lost(self, exc: PeerUnavailable) -> None:
+        """A verifier call failed as unreachable: not SERVING until it is seen answering again."""
+        if isinstance(exc, (VerifierNotReady, VerifierIncompatible)):
+            return
+        deps = self.dependencies
+        if deps.verifier.ok:
+            deps.update(deps.verifier, health.UNKNOWN, f"a call failed: {exc}")
 
     # context windows ---------------------------------------------------------------------------
     def _max_context(self) -> int:
@@ -376,7 +670,29 @@ class Orchestrator:
 
     # records and observers ---------------------------------------------------------------------
     async def _save(self, run: Run, status: str, error: str | None = None) -> None:
-        await self.store.put_request(run.to_record(status, error))
+        """Write the run's progress; a run whose record another run has taken over (it stalled past
+        its lease and the request was resumed) stops here with StillRunning."""
+        if not await self.store.put_request(self._record(run, status, error)) and status != "failed":
+            raise StillRunning(f"request_id {run.request_id!r} was taken over by another run (Resume) "
+                               f"after this run made no progress for its lease")
+
+    def _record(
+        self, run: Run, status: str, error: str | None = None, *, lease: bool = True
+    ) -> RequestRecord:
+        """The run's record; a running one is leased to this run for resume_lease_seconds from now."""
+        record = run.to_record(status, error)
+        if status == "running" and lease:
+            record.lease_until = time.time() + self.config.resume_lease_seconds
+        return record
+
+    async def _release(self, run: Run) -> None:
+        """Save the run's progress with no lease (a Resume may take it over at once)."""
+        try:
+            await self.store.put_request(self._record(run, "running", lease=False))
+        except StoreUnavailable:  # logged by the store; the lease then runs out by itself
+            pass
+        except Exception:
+            log.exception("could not release the record of request %s", run.request_id)
 
     def _report(self, record: IterationRecord, probe: IterationProbe | None, depth: int) -> None:
         if self.on_iteration is not None:

@@ -23,7 +23,7 @@ class GenerationRequest:
     method: str = "token"
     k: int | None = None  # draft length (sequence methods) / tree budget (trees); None → default
     a: float | None = None  # RD drafting probability; None → calibrated or default
-    request_id: str | None = None
+    request_id: str | None = None  # the stored record's id (None → a fresh one); never reused (AlreadyExists)
     # Node budget of a draft tree: gsd-tree (falls back to k, then the configured default) and
     # ersd (set → a tree of this many nodes; None → a sequence of k tokens).
     tree_budget: int | None = None
@@ -86,7 +86,9 @@ class GenerationResult:
 
 @dataclass
 class GenerationChunk:
-    """One streamed piece: the new tokens of an iteration and their text; the last has `result`."""
+    """One streamed piece: the new tokens of an iteration and their text; the last has `result`.
+    A resumed stream's first piece carries the tokens stored before it, so the pieces of any stream
+    put together are the whole output."""
 
     token_ids: list[int]
     text: str

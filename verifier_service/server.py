@@ -2,21 +2,27 @@
 
 The engine (specdec.engine.verifier.VerifierEngine or anything with the same methods) is
 synchronous; calls run in a worker pool so the event loop keeps serving health checks and
-other sessions. Errors map to status codes as documented in specdec/rpc/grpc_support.py.
+other sessions. Tokenize and Decode have a pool of their own: a long text never waits in front
+of the forward passes of Score and Verify (with --no-batching their pool has one worker). Errors
+map to status codes as documented in specdec/rpc/grpc_support.py.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import grpc
 
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
+from specdec.engine.api import MAX_TREE_NODES, ContextTooLong, InvalidRequest
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
     EngineServicer,
+    add_on_stop,
     engine_workers,
     guarded,
     run_blocking,
@@ -28,29 +34,52 @@ from specdec.rpc.v1 import verifier_pb2, verifier_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
+# Threads of the Tokenize/Decode pool. The engine encodes one text at a time (its tokenizer lock):
+# the second thread lets a Decode queue there rather than behind the engine's passes.
+TEXT_WORKERS = 2
+
+
+def check_counts(engine: Any, name: str, tokens: int, nodes: int = 0) -> None:
+    """Refuse repeated fields no call may be that long, by their counts alone: before they are read
+    into lists (a 64 MB message holds tens of millions of token ids) or the engine sees the call."""
+    context = engine.info().max_context
+    if context > 0 and tokens > context:
+        raise ContextTooLong(f"{name}: {tokens} tokens; the context window holds {context}")
+    if nodes > MAX_TREE_NODES:
+        raise InvalidRequest(f"tree_tokens holds {nodes} nodes; at most {MAX_TREE_NODES} are allowed "
+                             "(the verifier's cap)")
 
 
 class VerifierServicer(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer):
+    def __init__(self, engine: Any, executor: Executor | None = None, observers: Sequence[Any] = (),
+                 text_executor: Executor | None = None) -> None:
+        """`text_executor` runs Tokenize and Decode (default: `executor`, with the engine's passes)."""
+        super().__init__(engine, executor, observers)
+        self.text_executor = text_executor if text_executor is not None else executor
+
     @guarded
     async def Score(self, request: verifier_pb2.ScoreRequest, context) -> verifier_pb2.ScoreResponse:
+        check_counts(self.engine, "append", len(request.append), len(request.tree_tokens))
         req = convert.score_request_from_proto(request)
         await run_observed(self.executor, self.observers, "Score", req, self.engine.score, req)
         return verifier_pb2.ScoreResponse()
 
     @guarded
     async def Verify(self, request: verifier_pb2.VerifyRequest, context) -> verifier_pb2.VerifyOutcome:
+        check_counts(self.engine, "append", len(request.append), len(request.tree_tokens))
         req = convert.verify_request_from_proto(request)
         outcome = await run_observed(self.executor, self.observers, "Verify", req, self.engine.verify, req)
         return convert.verify_outcome_to_proto(outcome)
 
     @guarded
     async def Tokenize(self, request: verifier_pb2.TokenizeRequest, context) -> verifier_pb2.TokenizeResponse:
-        ids = await run_blocking(self.executor, self.engine.tokenize, request.text)
+        ids = await run_blocking(self.text_executor, self.engine.tokenize, request.text)
         return verifier_pb2.TokenizeResponse(token_ids=[int(i) for i in ids])
 
     @guarded
     async def Decode(self, request: verifier_pb2.DecodeRequest, context) -> verifier_pb2.DecodeResponse:
-        text = await run_blocking(self.executor, self.engine.decode, list(request.token_ids))
+        check_counts(self.engine, "token_ids", len(request.token_ids))
+        text = await run_blocking(self.text_executor, self.engine.decode, list(request.token_ids))
         return verifier_pb2.DecodeResponse(text=text)
 
 
@@ -71,18 +100,26 @@ async def start_verifier_server(
     a batching engine, whose calls share passes), else 1 (calls one at a time, safe for any engine). Stop with
     specdec.rpc.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
     observers: told about every engine call (tracing spans, metrics); see
-    specdec.rpc.grpc_support.run_observed.
+    specdec.rpc.grpc_support.run_observed. Tokenize and Decode run in a pool of their own
+    (TEXT_WORKERS threads).
     """
-    return await start_engine_server(
-        lambda executor: VerifierServicer(engine, executor, observers),
-        verifier_pb2_grpc.add_VerifierServiceServicer_to_server,
-        SERVICE_NAME,
-        host,
-        port,
-        max_message_mb=max_message_mb,
-        interceptors=interceptors,
-        max_workers=max_workers if max_workers is not None else engine_workers(engine),
-        thread_name_prefix="verifier-engine",
-        credentials=credentials,
-    )
+    text_executor = ThreadPoolExecutor(max_workers=TEXT_WORKERS, thread_name_prefix="verifier-text")
+    try:
+        server, bound = await start_engine_server(
+            lambda executor: VerifierServicer(engine, executor, observers, text_executor),
+            verifier_pb2_grpc.add_VerifierServiceServicer_to_server,
+            SERVICE_NAME,
+            host,
+            port,
+            max_message_mb=max_message_mb,
+            interceptors=interceptors,
+            max_workers=max_workers if max_workers is not None else engine_workers(engine),
+            thread_name_prefix="verifier-engine",
+            credentials=credentials,
+        )
+    except BaseException:
+        text_executor.shutdown(wait=False)
+        raise
+    add_on_stop(server, functools.partial(text_executor.shutdown, wait=False))
+    return server, bound
 

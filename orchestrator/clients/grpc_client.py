@@ -6,6 +6,9 @@ transport raises: UNAVAILABLE / DEADLINE_EXCEEDED → PeerUnavailable (naming th
 FAILED_PRECONDITION → SessionGone, INVALID_ARGUMENT → InvalidRequest, anything else →
 specdec.rpc.grpc_support.RemoteError (an EngineError carrying the code).
 
+Channels are plaintext unless a specdec.rpc.security.ClientSecurity says TLS / mTLS; its bearer
+token goes with every call (health checks included, which need none).
+
 Channels are opened lazily on first use inside the running event loop (a grpc.aio channel
 belongs to one loop) and reopened if the client is used from another loop.
 """
@@ -35,6 +38,7 @@ from specdec.engine.api import (
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import error_from_status, message_options
+from specdec.rpc.security import ClientSecurity
 from specdec.rpc.v1 import (
     common_pb2,
     drafter_pb2_grpc,
@@ -56,6 +60,7 @@ class _GrpcClient:
 
     _stub_class: Any = None
     _service_name: str = ""
+    _role: str = "upstream service"  # how its errors name the peer to the caller's own clients
 
     def __init__(
         self,
@@ -65,13 +70,16 @@ class _GrpcClient:
         max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
         interceptors: Iterable[grpc.aio.ClientInterceptor] = (),
         options: Iterable[tuple[str, Any]] = (),
+        security: ClientSecurity | None = None,
     ) -> None:
+        """`security`: TLS / mTLS and the bearer token of the channel (default: plaintext, no token)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
         self._options = [*message_options(max_message_mb), *RECONNECT_OPTIONS, *options]
         self._interceptors = list(interceptors)
+        self._security = security if security is not None else ClientSecurity()
         self._channel: grpc.aio.Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stub: Any = None
@@ -80,15 +88,13 @@ class _GrpcClient:
         loop = asyncio.get_running_loop()
         if self._channel is None or self._loop is not loop:
             # A channel from a loop that is gone cannot be closed from here; let it be collected.
-            self._channel = grpc.aio.insecure_channel(
-                self.address, options=self._options, interceptors=self._interceptors or None
-            )
+            self._channel = self._security.channel(self.address, self._options, self._interceptors)
             self._loop = loop
             self._stub = self._stub_class(self._channel)
         return self._stub
 
     def _error(self, err: grpc.aio.AioRpcError) -> EngineError:
-        return error_from_status(err.code(), err.details(), self.address)
+        return error_from_status(err.code(), err.details(), self.address, self._role)
 
     async def _unary(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         stub = self._open()
@@ -144,6 +150,7 @@ class GrpcDrafterClient(_GrpcClient):
 
     _stub_class = drafter_pb2_grpc.DrafterServiceStub
     _service_name = "specdec.v1.DrafterService"
+    _role = "drafter"
 
     async def info(self) -> ModelInfo:
         return convert.model_info_from_proto(await self._unary("Info", common_pb2.InfoRequest()))
@@ -165,6 +172,7 @@ class GrpcVerifierClient(_GrpcClient):
 
     _stub_class = verifier_pb2_grpc.VerifierServiceStub
     _service_name = "specdec.v1.VerifierService"
+    _role = "verifier"
 
     async def info(self) -> ModelInfo:
         return convert.model_info_from_proto(await self._unary("Info", common_pb2.InfoRequest()))
@@ -193,6 +201,7 @@ class GenerationClient(_GrpcClient):
 
     _stub_class = generation_pb2_grpc.GenerationServiceStub
     _service_name = "specdec.v1.GenerationService"
+    _role = "orchestrator"
 
     def __init__(
         self, address: str, *, timeout_s: float = DEFAULT_GENERATION_TIMEOUT_S, **kwargs: Any
@@ -214,3 +223,20 @@ class GenerationClient(_GrpcClient):
             raise self._error(err) from None
         finally:
             call.cancel()  # no-op when finished; frees the server when the consumer stops early
+
+    async def resume(self, request_id: str) -> GenerationResult:
+        """Continue this caller's stored request (NotFound: none; StillRunning: a live run holds it)."""
+        msg = _encode(convert.resume_request_to_proto, request_id)
+        return convert.generation_result_from_proto(await self._unary("Resume", msg))
+
+    async def resume_stream(self, request_id: str) -> AsyncIterator[GenerationChunk]:
+        """As resume, streamed: the first chunk carries the tokens stored so far, then one per iteration."""
+        msg = _encode(convert.resume_request_to_proto, request_id)
+        call = self._open().ResumeStream(msg, timeout=self.timeout_s, wait_for_ready=False)
+        try:
+            async for chunk in call:
+                yield convert.generation_chunk_from_proto(chunk)
+        except grpc.aio.AioRpcError as err:
+            raise self._error(err) from None
+        finally:
+            call.cancel()

@@ -30,12 +30,22 @@ from specdec.cli.common import (
     resolve_model,
 )
 from specdec.cli.observability import ObservabilityOptions, OtlpEndpointOpt, TraceFileOpt
-from specdec.cli.options import DtypeOpt
+from specdec.cli.options import (
+    TOKEN_ENV,
+    DtypeOpt,
+    TlsCaOpt,
+    TlsClientCertOpt,
+    TlsClientKeyOpt,
+    TlsServerNameOpt,
+    TokenFileOpt,
+    client_security,
+)
 from specdec.defaults import AUTO_PRECISION
 from specdec.methods import METHOD_NAMES
 
 if TYPE_CHECKING:
     from specdec.generation import GenerationRequest  # imports torch: only inside the functions
+    from specdec.rpc.security import ClientSecurity  # imports grpc
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,7 @@ class GenerateRun:
     as_json: bool = False
     stream: bool = False
     observability: ObservabilityOptions = field(default_factory=ObservabilityOptions)
+    security: ClientSecurity | None = None  # server mode: TLS / mTLS and the token (None: plaintext)
 
     @property
     def in_process(self) -> bool:
@@ -179,6 +190,11 @@ def generate(
         600.0,
     trace_file: TraceFileOpt = None,
     otlp_endpoint: OtlpEndpointOpt = None,
+    tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
+    tls_server_name: TlsServerNameOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Generate a continuation of a prompt, from a running orchestrator or in-process.
 
@@ -191,9 +207,17 @@ def generate(
         raise typer.BadParameter("in-process mode needs both --draft and --target", param_hint="--draft")
     if num_samples < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--num-samples")
+    security = None
+    if draft is None:  # server mode: TLS / token checked now (one line and exit 1 or 2 when bad)
+        security = client_security(tls_ca=tls_ca, tls_client_cert=tls_client_cert,
+                                   tls_client_key=tls_client_key, tls_server_name=tls_server_name,
+                                   token_file=token_file, token_env=TOKEN_ENV)
+        if not security.uses_tls and security.token is None:
+            security = None  # plaintext without a token: what None means
     run = GenerateRun(address=address, draft=draft, target=target, device=device, dtype=dtype,
                       threads=threads, timeout=timeout, num_samples=num_samples, as_json=as_json,
-                      stream=stream, observability=ObservabilityOptions(trace_file, otlp_endpoint))
+                      stream=stream, observability=ObservabilityOptions(trace_file, otlp_endpoint),
+                      security=security)
     try:
         request = build_request(
             prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -224,7 +248,7 @@ async def run_samples(request: GenerationRequest, run: GenerateRun) -> int:
                 from orchestrator.clients.grpc_client import GenerationClient
 
                 client = GenerationClient(run.address, timeout_s=run.timeout,
-                                          interceptors=obs.client_interceptors)
+                                          interceptors=obs.client_interceptors, security=run.security)
             for sample in range(run.num_samples):
                 if run.num_samples > 1 and not run.as_json:
                     err.print(f"[bold]── sample {sample + 1}/{run.num_samples}[/]")
@@ -247,9 +271,13 @@ async def run_samples(request: GenerationRequest, run: GenerateRun) -> int:
         return 1
     except Exception as exc:  # noqa: BLE001 - engine / gRPC / parameter errors: one line, no traceback
         message = describe_error(exc)
-        if not run.in_process and message.startswith("UNAVAILABLE") and not await _serving(run.address):
-            message = (f"UNAVAILABLE: no orchestrator answers at {run.address}; start one with `specdec up` "
-                       "(or pass --address), or run in-process with --draft and --target")
+        if not run.in_process and message.startswith("UNAVAILABLE") and not await _serving(run):
+            tls_hint = "" if run.security is not None and run.security.uses_tls else (
+                " (if it serves TLS, pass --tls-ca)")
+            message = (f"UNAVAILABLE: no orchestrator answers at {run.address}{tls_hint}; start one with "
+                       "`specdec up` (or pass --address), or run in-process with --draft and --target")
+        elif not run.in_process and message.startswith("UNAUTHENTICATED"):
+            message += f" (pass the orchestrator's token with --token-file or ${TOKEN_ENV})"
         err.print(f"[bold red]error:[/] {escape(message)}")
         return 1
     return 0
@@ -330,9 +358,10 @@ async def _stream_one(client, request, sample: int, as_json: bool):
     return result
 
 
-async def _serving(address: str) -> bool:
+async def _serving(run: GenerateRun) -> bool:
     """Whether the orchestrator itself answers (tells 'not running' from 'its peer is down')."""
     try:
-        return await asyncio.to_thread(processes.check_health, address, 2.0) == "SERVING"
+        status = await asyncio.to_thread(processes.check_health, run.address, 2.0, "", run.security)
+        return status == "SERVING"
     except Exception:  # noqa: BLE001 - unreachable
         return False

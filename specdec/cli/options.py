@@ -1,19 +1,25 @@
 """Option types shared by several commands (`serve *`, `up`, `generate`) and small parse helpers.
 
 The observability options (--trace-file, --otlp-endpoint, --metrics-port, --metrics-host) live
-in specdec.cli.observability with the rest of that set-up.
+in specdec.cli.observability with the rest of that set-up. The transport security options (--tls-*,
+--auth-token-file, --engine-token-file, --token-file; docs/security.md) are here with
+`server_security` / `client_security`, which check them before any model loads.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from orchestrator import processes
 from specdec.cli.common import fail
 from specdec.defaults import AUTO_PRECISION, PRECISIONS, resolve_precision
+
+if TYPE_CHECKING:  # grpc is imported only when a command runs
+    from specdec.rpc.security import ClientSecurity, ServerSecurity
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Registry name or path (HF folder or .gguf).")]
 HostOpt = Annotated[str, typer.Option("--host", help="Interface to listen on.")]
@@ -103,10 +109,71 @@ QueueTimeoutOpt = Annotated[float | None, typer.Option(
     "--queue-timeout", min=0.0, help=(
         "Seconds a request waits for one of the --max-active-requests slots before RESOURCE_EXHAUSTED. "
         f"Default: $SPECDEC_QUEUE_TIMEOUT_S, else {DEFAULT_QUEUE_TIMEOUT_S:g}."), show_default=False)]
+RequestTtlOpt = Annotated[int | None, typer.Option(
+    "--request-ttl", min=1, help=(
+        "Seconds a request's stored record (its progress, for Resume) is kept after its last update. "
+        "Default: $SPECDEC_REQUEST_TTL_SECONDS, else 86400."), show_default=False)]
+MaxPromptBytesOpt = Annotated[int | None, typer.Option(
+    "--max-prompt-bytes", min=1, help=(
+        "Largest prompt text (UTF-8 bytes) a request may send; a larger one gets INVALID_ARGUMENT before "
+        "anything tokenizes it. Default: $SPECDEC_MAX_PROMPT_BYTES, else 2 MiB."), show_default=False)]
 ReadyFileOpt = Annotated[Path | None, typer.Option(
     "--ready-file", help="Once serving, write JSON {address, host, port, pid, ...} to this file.",
     show_default=False)]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="Python logging level.")]
+
+# ------------------------------------------------------------------ transport security (docs/security.md)
+TOKEN_ENV = "SPECDEC_TOKEN"
+_TOKEN_HINT = "one line, e.g. from `openssl rand -base64 32`; keep it chmod 600"
+TlsCertOpt = Annotated[Path | None, typer.Option(
+    "--tls-cert", help="Serve TLS with this PEM certificate (chain); needs --tls-key. Default: plaintext.",
+    show_default=False)]
+TlsKeyOpt = Annotated[Path | None, typer.Option(
+    "--tls-key", help="The unencrypted PEM private key of --tls-cert (keep it chmod 600).",
+    show_default=False)]
+TlsClientCaOpt = Annotated[Path | None, typer.Option(
+    "--tls-client-ca", help="mTLS: PEM CA certificate(s) that sign the client certificates this server "
+    "accepts; with --tls-require-client-cert.", show_default=False)]
+TlsRequireClientCertOpt = Annotated[bool, typer.Option(
+    "--tls-require-client-cert", help="mTLS: refuse every client (health checks included) that does not "
+    "present a certificate signed by --tls-client-ca; needs --tls-cert.")]
+
+
+def _tls_ca_opt(peer: str) -> Any:
+    return Annotated[Path | None, typer.Option(
+        "--tls-ca", help=f"Connect to {peer} with TLS, verifying the server certificate with this PEM CA "
+        "certificate (e.g. your own CA). Default: plaintext.", show_default=False)]
+
+
+def _tls_client_cert_opt(peer: str) -> Any:
+    return Annotated[Path | None, typer.Option(
+        "--tls-client-cert", help=f"mTLS: present this PEM client certificate to {peer} (signed by the "
+        "CA of the server's --tls-client-ca); needs --tls-client-key.", show_default=False)]
+
+
+TlsClientKeyOpt = Annotated[Path | None, typer.Option(
+    "--tls-client-key", help="The unencrypted PEM private key of --tls-client-cert.", show_default=False)]
+TlsServerNameOpt = Annotated[str | None, typer.Option(
+    "--tls-server-name", help="Expect this name in the server's certificate instead of the host of the "
+    "address (e.g. when connecting by IP to a certificate issued for a DNS name).", show_default=False)]
+TlsCaOpt = _tls_ca_opt("the orchestrator")
+TlsClientCertOpt = _tls_client_cert_opt("the orchestrator")
+EngineTlsCaOpt = _tls_ca_opt("the drafter and the verifier")
+EngineTlsClientCertOpt = _tls_client_cert_opt("the drafter and the verifier")
+AuthTokenFileOpt = Annotated[Path | None, typer.Option(
+    "--auth-token-file", help="Clients must send `authorization: Bearer <token>` with the token in this "
+    f"file ({_TOKEN_HINT}); a missing or wrong token gets UNAUTHENTICATED. Health checks stay open. "
+    "Default: no token.", show_default=False)]
+EngineAuthTokenFileOpt = Annotated[Path | None, typer.Option(
+    "--auth-token-file", help="Accept only callers sending this token as `authorization: Bearer <token>` "
+    f"(the orchestrator's --engine-token-file; {_TOKEN_HINT}); others get UNAUTHENTICATED on every RPC but "
+    "health. `specdec up` makes one for its engines. Default: no token.", show_default=False)]
+EngineTokenFileOpt = Annotated[Path | None, typer.Option(
+    "--engine-token-file", help="Send the token in this file to the drafter and the verifier (their "
+    "--auth-token-file). Default: none.", show_default=False)]
+TokenFileOpt = Annotated[Path | None, typer.Option(
+    "--token-file", help="Send the token in this file to the orchestrator (its --auth-token-file). "
+    f"Default: ${TOKEN_ENV}, else none.", show_default=False)]
 
 
 def parse_cores(text: str | None, option: str) -> list[int] | None:
@@ -144,3 +211,54 @@ def precision_line(dtype: str, **devices: str) -> str:
         parts.append(f"{role} {resolved} ({how})")
     return ("precision: " + ", ".join(parts) + "; the output is distributed exactly as the target model "
             "at its precision (--dtype float32 for the float32 model)")
+
+
+def server_security(*, tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
+                    tls_require_client_cert: bool, auth_token_file: Path | None) -> ServerSecurity:
+    """A server's --tls-* and --auth-token-file, checked now, before any model loads: a bad
+    combination exits 2, a missing or bad file exits 1, each with one line naming the flag."""
+    from specdec.rpc.security import ServerSecurity, read_token_file
+
+    try:
+        ServerSecurity(tls_cert, tls_key, tls_client_ca, tls_require_client_cert)
+    except ValueError as exc:
+        raise fail(str(exc), 2) from None
+    try:
+        tokens = (read_token_file(auth_token_file, "--auth-token-file"),) if auth_token_file else ()
+        security = ServerSecurity(absolute_path(tls_cert), absolute_path(tls_key),
+                                  absolute_path(tls_client_ca), tls_require_client_cert, tokens)
+        _ = security.credentials  # reads and checks the files
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    return security
+
+
+def client_security(*, tls_ca: Path | None, tls_client_cert: Path | None, tls_client_key: Path | None,
+                    tls_server_name: str | None = None, token_file: Path | None = None,
+                    token_flag: str = "--token-file", token_env: str | None = None) -> ClientSecurity:
+    """A client's --tls-ca / --tls-client-cert / --tls-client-key / --tls-server-name and token (from
+    `token_file`, else the variable `token_env`), checked like server_security."""
+    from specdec.rpc.security import ClientSecurity, read_token_file
+
+    try:
+        ClientSecurity(tls_ca, tls_client_cert, tls_client_key, server_name=tls_server_name)
+    except ValueError as exc:
+        raise fail(str(exc), 2) from None
+    try:
+        token = read_token_file(token_file, token_flag) if token_file is not None else None
+        if token is None and token_env is not None:
+            token = os.environ.get(token_env, "").strip() or None
+            if token is not None and any(ch.isspace() or not ch.isprintable() or not ch.isascii()
+                                         for ch in token):
+                raise ValueError(f"${token_env}: a token must be one word of printable ASCII")
+        security = ClientSecurity(absolute_path(tls_ca), absolute_path(tls_client_cert),
+                                  absolute_path(tls_client_key), token=token, server_name=tls_server_name)
+        _ = security.credentials  # reads and checks the files
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    return security
+
+
+def absolute_path(path: Path | None) -> Path | None:
+    """A path as given on the command line, made absolute (`up` hands paths to its children)."""
+    return None if path is None else path.expanduser().absolute()

@@ -50,28 +50,43 @@ from specdec.cli.options import (
     DEFAULT_MAX_SESSIONS,
     AdaptiveKOpt,
     AdmissionTimeoutOpt,
+    AuthTokenFileOpt,
     BatchingOpt,
     BatchWindowOpt,
     CoresOpt,
     DeviceOpt,
     DraftRowsOpt,
     DtypeOpt,
+    EngineAuthTokenFileOpt,
+    EngineTlsCaOpt,
+    EngineTlsClientCertOpt,
+    EngineTokenFileOpt,
     HostOpt,
     KvCacheOpt,
     LogLevelOpt,
     MaxActiveRequestsOpt,
     MaxBatchTokensOpt,
     MaxMessageOpt,
+    MaxPromptBytesOpt,
     MaxSessionsOpt,
     ModelOpt,
     PortOpt,
     QueueTimeoutOpt,
     ReadyFileOpt,
+    RequestTtlOpt,
     SessionTtlOpt,
     ThreadsOpt,
+    TlsCertOpt,
+    TlsClientCaOpt,
+    TlsClientKeyOpt,
+    TlsKeyOpt,
+    TlsRequireClientCertOpt,
+    TlsServerNameOpt,
     check_port_free,
+    client_security,
     connect_address,
     parse_cores,
+    server_security,
 )
 from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
 from specdec.methods import METHOD_NAMES
@@ -133,8 +148,11 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
                  session_ttl: float, ready_file: Path | None, log_level: str,
                  observability: ObservabilityOptions, batching: Any = None,
                  kv_cache_mb: float = DEFAULT_KV_CACHE_MB,
-                 admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S) -> None:
-    """Load the model, build the engine and serve it (role: drafter | verifier) until a signal."""
+                 admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S, security: Any = None) -> None:
+    """Load the model, build the engine and serve it (role: drafter | verifier) until a signal.
+
+    security: the port's TLS / mTLS / token (specdec.rpc.security.ServerSecurity, checked by the
+    caller before this loads anything); None = plaintext and open."""
     setup_logging(log_level)
     core_list = parse_cores(cores, "--cores")
     check_port_free(host, port, "--port")
@@ -162,10 +180,14 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
         raise fail(f"{role}: {exc}") from None
 
     async def main() -> None:
+        from specdec.rpc.security import ServerSecurity, warn_if_exposed
+
+        door = security if security is not None else ServerSecurity()
+        warn_if_exposed(host, tls=door.tls, token=door.authenticated, role=role)
         server, bound = await start_server(engine, host, port, max_message_mb=max_message_mb,
                                            max_workers=engine.batching.workers,
-                                           interceptors=obs.server_interceptors,
-                                           observers=obs.service_observers)
+                                           interceptors=[*door.interceptors(), *obs.server_interceptors],
+                                           observers=obs.service_observers, credentials=door.credentials)
         info = loaded.info
         budget = f"{max_kv_tokens} KV tokens" if max_kv_tokens is not None else "no KV budget"
         await _announce_and_serve(
@@ -207,16 +229,24 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         batching: BatchingOpt = True,
         max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
         batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS,
+        tls_cert: TlsCertOpt = None,
+        tls_key: TlsKeyOpt = None,
+        tls_client_ca: TlsClientCaOpt = None,
+        tls_require_client_cert: TlsRequireClientCertOpt = False,
+        auth_token_file: EngineAuthTokenFileOpt = None,
     ) -> None:
         from specdec.runtime.batch_config import BatchConfig
 
+        security = server_security(tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+                                   tls_require_client_cert=tls_require_client_cert,
+                                   auth_token_file=auth_token_file)  # exits on a bad flag, before loading
         observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
         batch = BatchConfig(batching, max_batch_tokens, batch_window_ms)
         serve_engine(role, model=model, host=host, port=port, device=device, dtype=dtype, threads=threads,
                      cores=cores, max_message_mb=max_message_mb, max_sessions=max_sessions,
                      session_ttl=session_ttl, ready_file=ready_file, log_level=log_level,
                      observability=observability, batching=batch, kv_cache_mb=kv_cache_mb,
-                     admission_timeout=admission_timeout)
+                     admission_timeout=admission_timeout, security=security)
 
     command.__name__ = command.__qualname__ = f"serve_{role}"
     command.__doc__ = summary
@@ -259,14 +289,27 @@ def serve_orchestrator(
     adaptive_k: AdaptiveKOpt = None,
     max_active_requests: MaxActiveRequestsOpt = None,
     queue_timeout: QueueTimeoutOpt = None,
+    request_ttl: RequestTtlOpt = None,
+    max_prompt_bytes: MaxPromptBytesOpt = None,
     peer_timeout: Annotated[float, typer.Option(
-        "--peer-timeout", help="Seconds to wait at startup for the verifier to answer.")] = 60.0,
+        "--peer-timeout", help="Seconds after which a verifier that has not answered since startup is "
+        "reported (a warning); the orchestrator listens meanwhile, NOT_SERVING, and keeps waiting.")] = 60.0,
     ready_file: ReadyFileOpt = None,
     log_level: LogLevelOpt = "info",
     trace_file: TraceFileOpt = None,
     otlp_endpoint: OtlpEndpointOpt = None,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = "127.0.0.1",
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_client_ca: TlsClientCaOpt = None,
+    tls_require_client_cert: TlsRequireClientCertOpt = False,
+    auth_token_file: AuthTokenFileOpt = None,
+    tls_ca: EngineTlsCaOpt = None,
+    tls_client_cert: EngineTlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
+    tls_server_name: TlsServerNameOpt = None,
+    engine_token_file: EngineTokenFileOpt = None,
 ) -> None:
     """Serve the public GenerationService over a drafter and a verifier until Ctrl-C / SIGTERM.
 
@@ -275,9 +318,15 @@ def serve_orchestrator(
     An unreachable drafter is no error: requests run target-only until it answers.
     """
     setup_logging(log_level)
+    # Transport security (docs/security.md), checked before anything starts; exits on a bad flag.
+    front = server_security(tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+                            tls_require_client_cert=tls_require_client_cert, auth_token_file=auth_token_file)
+    engine_security = client_security(tls_ca=tls_ca, tls_client_cert=tls_client_cert,
+                                      tls_client_key=tls_client_key, tls_server_name=tls_server_name,
+                                      token_file=engine_token_file, token_flag="--engine-token-file")
     try:
         config = orchestrator_config(default_method, default_k, default_a, store_url, draft_rows, adaptive_k,
-                                     max_active_requests, queue_timeout)
+                                     max_active_requests, queue_timeout, request_ttl, max_prompt_bytes)
         check_port_free(host, port, "--port")
         observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
         obs = observability.setup("orchestrator")
@@ -290,25 +339,40 @@ def serve_orchestrator(
         from orchestrator.server import start_orchestrator_server
         from orchestrator.speculation import Orchestrator
         from specdec.engine.api import PeerUnavailable
+        from specdec.rpc.security import warn_if_exposed
 
-        client_options = {"max_message_mb": max_message_mb, "interceptors": obs.client_interceptors}
+        warn_if_exposed(host, tls=front.tls, token=front.authenticated, role="orchestrator")
+        client_options = {"max_message_mb": max_message_mb, "interceptors": obs.client_interceptors,
+                          "security": engine_security}
         orchestrator = Orchestrator(GrpcDrafterClient(drafter, **client_options),
                                     GrpcVerifierClient(verifier, **client_options), config,
                                     observer=obs.loop_observer)
         obs.watch_orchestrator(orchestrator)  # request slots on /metrics (read at scrape time)
         try:
-            deadline = time.monotonic() + peer_timeout
-            while True:
-                try:
-                    await orchestrator.start()
-                    break
-                except PeerUnavailable:
-                    if time.monotonic() >= deadline:
-                        raise
-                    await asyncio.sleep(0.5)
-            server, bound = await start_orchestrator_server(orchestrator, host, port,
-                                                            max_message_mb=max_message_mb,
-                                                            interceptors=obs.server_interceptors)
+            # Listen at once: health says NOT_SERVING, and requests get UNAVAILABLE "verifier not
+            # ready", until the verifier answers (its health monitor, orchestrator.health); a late
+            # verifier is waited for, never fatal. The ready file (`specdec up`) is written only then.
+            server, bound = await start_orchestrator_server(
+                orchestrator, host, port, max_message_mb=max_message_mb, credentials=front.credentials,
+                interceptors=[*front.interceptors(), *obs.server_interceptors])
+            try:
+                waiting_since, warned = time.monotonic(), False
+                while True:
+                    try:
+                        await orchestrator.ensure_serving()  # a refused pair raises InvalidRequest
+                        break
+                    except PeerUnavailable as exc:
+                        if not warned and time.monotonic() - waiting_since >= peer_timeout:
+                            warned = True
+                            err.print(f"[yellow]warning:[/] orchestrator on {connect_address(host, bound)}: "
+                                      f"no usable verifier at {escape(verifier)} after {peer_timeout:g} s "
+                                      f"({escape(str(exc))}); NOT_SERVING, still waiting")
+                        await asyncio.sleep(0.5)
+            except BaseException:
+                from specdec.rpc.grpc_support import stop_server
+
+                await stop_server(server, 0.5)
+                raise
             draft_id = orchestrator.draft_info.model_id if orchestrator.draft_info else "(drafter down)"
             target_id = orchestrator.target_info.model_id
             info = (orchestrator.draft_info, orchestrator.target_info)

@@ -7,8 +7,9 @@ health-waits, watches and stops them); this module only turns the options into t
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -31,6 +32,7 @@ from specdec.cli.options import (
     DEFAULT_MAX_SESSIONS,
     AdaptiveKOpt,
     AdmissionTimeoutOpt,
+    AuthTokenFileOpt,
     BatchingOpt,
     BatchWindowOpt,
     DraftRowsOpt,
@@ -39,12 +41,23 @@ from specdec.cli.options import (
     MaxActiveRequestsOpt,
     MaxBatchTokensOpt,
     MaxMessageOpt,
+    MaxPromptBytesOpt,
     MaxSessionsOpt,
     QueueTimeoutOpt,
+    RequestTtlOpt,
     SessionTtlOpt,
+    TlsCertOpt,
+    TlsClientCaOpt,
+    TlsClientKeyOpt,
+    TlsKeyOpt,
+    TlsRequireClientCertOpt,
+    TlsServerNameOpt,
+    absolute_path,
     check_port_free,
+    client_security,
     parse_cores,
     precision_line,
+    server_security,
 )
 from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
 from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
@@ -102,6 +115,8 @@ def up(
     adaptive_k: AdaptiveKOpt = None,
     max_active_requests: MaxActiveRequestsOpt = None,
     queue_timeout: QueueTimeoutOpt = None,
+    request_ttl: RequestTtlOpt = None,
+    max_prompt_bytes: MaxPromptBytesOpt = None,
     startup_timeout: Annotated[float, typer.Option(
         "--startup-timeout", help="Seconds each service may take to load and pass its health check.")] =
         600.0,
@@ -120,6 +135,21 @@ def up(
         "--metrics-port", help="Prometheus /metrics of the orchestrator on this port, the drafter on +1, the "
         "verifier on +2 (0 = any free ports). Default: no metrics endpoints.", show_default=False)] = None,
     metrics_host: MetricsHostOpt = "127.0.0.1",
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_client_ca: TlsClientCaOpt = None,
+    tls_require_client_cert: TlsRequireClientCertOpt = False,
+    tls_ca: Annotated[Path | None, typer.Option(
+        "--tls-ca", help="The PEM CA certificate that signed --tls-cert (needed with it): the orchestrator "
+        "verifies the drafter and the verifier with it, and `up` its health checks of all three.",
+        show_default=False)] = None,
+    tls_client_cert: Annotated[Path | None, typer.Option(
+        "--tls-client-cert", help="mTLS: the client certificate (signed by --tls-client-ca) that the "
+        "orchestrator presents to the drafter and the verifier, and `up` to all three for its health "
+        "checks; needed with --tls-require-client-cert.", show_default=False)] = None,
+    tls_client_key: TlsClientKeyOpt = None,
+    tls_server_name: TlsServerNameOpt = None,
+    auth_token_file: AuthTokenFileOpt = None,
 ) -> None:
     """Start drafter, verifier and orchestrator as three processes on this machine; stop them on Ctrl-C.
 
@@ -128,7 +158,15 @@ def up(
     orchestrator goes on target-only (exact, slower) while the drafter is restarted on its port
     (up to --drafter-restarts times); if the verifier or the orchestrator dies, the others are
     stopped and the exit code is 1.
+
+    The --tls-* options apply to all three services (docs/security.md); --auth-token-file guards
+    the orchestrator. The drafter and the verifier always get a fresh random token that only the
+    orchestrator knows, so no client can call them directly.
     """
+    tls_args, orchestrator_args, probe = _security_args(
+        tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+        tls_require_client_cert=tls_require_client_cert, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
+        tls_client_key=tls_client_key, tls_server_name=tls_server_name, auth_token_file=auth_token_file)
     for option, value in (("--port", port), ("--drafter-port", drafter_port),
                           ("--verifier-port", verifier_port)):
         check_port_free(host, value, option)
@@ -146,9 +184,12 @@ def up(
         v_cores = parse_cores(verifier_cores, "--verifier-cores") or v_default
 
     err.print(precision_line(dtype, drafter=drafter_device, verifier=verifier_device))
+    _warn_if_exposed(host, tls=tls_cert is not None, client_token=auth_token_file is not None,
+                     client_certs=tls_require_client_cert)
     observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
     supervisor = processes.Supervisor(log_dir)
     supervisor.install_signal_handlers()
+    engine_token = _engine_token_file(supervisor.log_dir)
     common = ["--host", host, "--dtype", dtype, "--max-message-mb", str(max_message_mb),
               "--max-sessions", str(max_sessions), "--session-ttl", str(session_ttl),
               "--batching" if batching else "--no-batching", "--max-batch-tokens", str(max_batch_tokens),
@@ -156,7 +197,8 @@ def up(
               "--admission-timeout", str(admission_timeout)]
 
     def engine_child(role: str, model: Path, role_port: int, device: str, cores, threads) -> processes.Child:
-        args = [role, "--model", str(model), "--port", str(role_port), "--device", device, *common]
+        args = [role, "--model", str(model), "--port", str(role_port), "--device", device, *common,
+                *tls_args, "--auth-token-file", str(engine_token)]
         if cores is not None:
             args += ["--cores", processes.format_cores(cores)]
         if threads is not None:
@@ -171,34 +213,37 @@ def up(
                                 verifier_threads)
         with err.status("starting drafter and verifier (loading the models) …") as status:
             for child in (drafter, verifier):
-                processes.wait_ready(child, startup_timeout, abort=supervisor.stop_requested)
+                processes.wait_ready(child, startup_timeout, abort=supervisor.stop_requested, security=probe)
                 err.print(f"[green]✓[/] {child.name} healthy on {child.address}")
             status.update("starting the orchestrator …")
             args = ["orchestrator", "--drafter", drafter.address, "--verifier", verifier.address,
-                    "--host", host, "--port", str(port), "--max-message-mb", str(max_message_mb)]
+                    "--host", host, "--port", str(port), "--max-message-mb", str(max_message_mb),
+                    *tls_args, *orchestrator_args, "--engine-token-file", str(engine_token)]
             for flag, value in (("--default-method", default_method), ("--default-k", default_k),
                                 ("--store-url", store_url), ("--draft-rows", draft_rows),
                                 ("--max-active-requests", max_active_requests),
-                                ("--queue-timeout", queue_timeout)):
+                                ("--queue-timeout", queue_timeout), ("--request-ttl", request_ttl),
+                                ("--max-prompt-bytes", max_prompt_bytes)):
                 if value is not None:
                     args += [flag, str(value)]
             if adaptive_k is not None:
                 args.append("--adaptive-k" if adaptive_k else "--fixed-k")
             args += observability.child_args("orchestrator")
             orch = supervisor.start(supervisor.child("orchestrator", args))
-            processes.wait_ready(orch, startup_timeout, abort=supervisor.stop_requested)
+            processes.wait_ready(orch, startup_timeout, abort=supervisor.stop_requested, security=probe)
             err.print(f"[green]✓[/] orchestrator healthy on {orch.address}")
             if orch.info.get("defaults"):
                 err.print(f"  {escape(orch.info['defaults'])}")
         metrics = {c.name: c.info["metrics_url"] for c in supervisor.children if c.info.get("metrics_url")}
-        _print_pipeline(supervisor, {"drafter": draft, "verifier": target}, metrics, trace_file)
+        flags = _generate_flags(tls_ca, tls_client_cert, tls_client_key, tls_server_name, auth_token_file)
+        _print_pipeline(supervisor, {"drafter": draft, "verifier": target}, metrics, trace_file, flags)
         if ready_file is not None:
             processes.write_ready_file(ready_file, {
                 "orchestrator": orch.address, "drafter": drafter.address, "verifier": verifier.address,
                 "log_dir": str(supervisor.log_dir), "pids": {c.name: c.pid for c in supervisor.children},
                 "pid": os.getpid(), "metrics": metrics,
             })
-        dead = _watch_restarting_the_drafter(supervisor, drafter_restarts, startup_timeout)
+        dead = _watch_restarting_the_drafter(supervisor, drafter_restarts, startup_timeout, probe)
         if dead is not None:
             err.print(f"[bold red]error:[/] {escape(processes.describe_exit(dead))}")
             err.print("stopping the other services …")
@@ -214,6 +259,7 @@ def up(
             exit_code = 1
     finally:
         supervisor.stop()
+        engine_token.unlink(missing_ok=True)  # its services are gone: the token opens nothing now
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
     if exit_code == 0:
@@ -222,7 +268,7 @@ def up(
 
 
 def _watch_restarting_the_drafter(supervisor: processes.Supervisor, restarts: int,
-                                  startup_timeout: float) -> processes.Child | None:
+                                  startup_timeout: float, probe: Any = None) -> processes.Child | None:
     """Watch the children; restart a dead drafter (the orchestrator runs target-only meanwhile).
 
     Returns the child whose death ends `up` (a verifier, the orchestrator, or a drafter past its
@@ -237,7 +283,7 @@ def _watch_restarting_the_drafter(supervisor: processes.Supervisor, restarts: in
                   f"continues target-only; restarting the drafter ({restarts} restart(s) left) …")
         drafter = supervisor.restart(dead)
         try:
-            processes.wait_ready(drafter, startup_timeout, abort=supervisor.stop_requested)
+            processes.wait_ready(drafter, startup_timeout, abort=supervisor.stop_requested, security=probe)
         except ProcessError as exc:
             if supervisor.stop_requested.is_set():
                 return None
@@ -247,7 +293,7 @@ def _watch_restarting_the_drafter(supervisor: processes.Supervisor, restarts: in
 
 
 def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str], metrics: dict[str, str],
-                    trace_file: Path | None) -> None:
+                    trace_file: Path | None, generate_flags: str = "") -> None:
     table = Table(title="specdec pipeline")
     for column in ("service", "address", "pid", "cores"):
         table.add_column(column, no_wrap=True)
@@ -263,5 +309,72 @@ def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str], me
         err.print(f"spans: {trace_file} (a timeline: specdec trace-report {trace_file})")
     orch = supervisor.children[-1].address
     flag = "" if orch == DEFAULT_ORCHESTRATOR_ADDRESS else f" --address {orch}"
-    err.print(f"try:  specdec generate{flag} \"def quicksort\"")
+    err.print(f"try:  specdec generate{flag}{escape(generate_flags)} \"def quicksort\"")
     err.print("stop: Ctrl-C")
+
+
+# ============================================================================== transport security
+
+
+def _security_args(*, tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
+                   tls_require_client_cert: bool, tls_ca: Path | None, tls_client_cert: Path | None,
+                   tls_client_key: Path | None, tls_server_name: str | None,
+                   auth_token_file: Path | None) -> tuple[list[str], list[str], Any]:
+    """Check `up`'s security options (exit 2 on a bad combination, 1 on a bad file, before any model
+    loads) and turn them into (every child's server flags, the orchestrator's own flags: its client
+    side and its token, the ClientSecurity of `up`'s health checks)."""
+    server = server_security(tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+                             tls_require_client_cert=tls_require_client_cert, auth_token_file=auth_token_file)
+    if server.tls and tls_ca is None:
+        raise fail("--tls-cert with `up` needs --tls-ca (the CA that signed it: the orchestrator and `up`'s "
+                   "health checks verify the services with it)", 2)
+    if not server.tls and (tls_ca is not None or tls_client_cert is not None or tls_server_name is not None):
+        raise fail("--tls-ca, --tls-client-cert and --tls-server-name of `up` need --tls-cert and --tls-key "
+                   "(its services serve TLS with them)", 2)
+    if tls_require_client_cert and tls_client_cert is None:
+        raise fail("--tls-require-client-cert with `up` needs --tls-client-cert and --tls-client-key (the "
+                   "certificate the orchestrator and `up`'s health checks present)", 2)
+    probe = client_security(tls_ca=tls_ca, tls_client_cert=tls_client_cert, tls_client_key=tls_client_key,
+                            tls_server_name=tls_server_name)
+    tls_args: list[str] = []
+    if server.tls:
+        tls_args += ["--tls-cert", str(server.cert), "--tls-key", str(server.key)]
+    if server.require_client_cert:
+        tls_args += ["--tls-client-ca", str(server.client_ca), "--tls-require-client-cert"]
+    orchestrator_args: list[str] = []
+    for flag, path in (("--tls-ca", probe.tls_ca), ("--tls-client-cert", probe.client_cert),
+                       ("--tls-client-key", probe.client_key), ("--tls-server-name", probe.server_name),
+                       ("--auth-token-file", absolute_path(auth_token_file))):
+        if path is not None:
+            orchestrator_args += [flag, str(path)]
+    return tls_args, orchestrator_args, probe
+
+
+def _engine_token_file(folder: Path) -> Path:
+    """A fresh random token for the drafter and the verifier, in a file only this user can read:
+    they accept only callers that send it, and only the orchestrator `up` starts is given it."""
+    from specdec.rpc.security import write_token_file
+
+    return write_token_file(folder / "engine.token", secrets.token_urlsafe(32))
+
+
+def _warn_if_exposed(host: str, *, tls: bool, client_token: bool, client_certs: bool) -> None:
+    """One warning line per exposed kind of service (the children log theirs too)."""
+    from specdec.rpc.security import exposure_warning
+
+    for role, token in (("orchestrator", client_token or client_certs), ("drafter and verifier", True)):
+        message = exposure_warning(host, tls=tls, token=token, role=role)
+        if message is not None:
+            err.print(f"[yellow]warning:[/] {escape(message)}")
+
+
+def _generate_flags(tls_ca: Path | None, tls_client_cert: Path | None, tls_client_key: Path | None,
+                    tls_server_name: str | None, auth_token_file: Path | None) -> str:
+    """The flags `specdec generate` needs to reach this orchestrator (shown in the example command)."""
+    flags = ""
+    for flag, value in (("--tls-ca", tls_ca), ("--tls-client-cert", tls_client_cert),
+                        ("--tls-client-key", tls_client_key), ("--tls-server-name", tls_server_name),
+                        ("--token-file", auth_token_file)):
+        if value is not None:
+            flags += f" {flag} {value}"
+    return flags

@@ -25,12 +25,25 @@ from specdec.verification.base import MethodParams
 from specdec.verification.lean import LeanDraft
 
 DRAFT_STRATEGIES = ("sample", "race")
+# Caps on what one engine call may ask for, checked before any work (INVALID_ARGUMENT naming the field
+# and the cap). The orchestrator's own limits keep below them (orchestrator.config: max_k <=
+# MAX_LOOKAHEAD_K, max_tree_budget <= MAX_TREE_NODES), so only a caller that bypasses it meets them.
+MAX_TREE_NODES = 1024  # nodes of a draft tree: Draft's shape, Score's and Verify's tree
+MAX_LOOKAHEAD_K = 128  # draft length after each Lookahead guess (each step is one drafter pass)
+MAX_LOOKAHEAD_GUESSES = 16  # bonus guesses, and rejection guesses, of one Lookahead
 BOTH_DRAFT_FORMS = ("draft_probs: give the draft rows either full (draft_probs) or lean (draft_token_probs, "
                     "draft_row_indices, draft_row_values), not both")
 
 
 class EngineError(Exception):
-    """Base of the errors engines raise; adapters map each subclass to one gRPC status."""
+    """Base of the errors engines raise; adapters map each subclass to one gRPC status.
+
+    A client raising one for a peer's status sets `address` (the peer's host:port, for logs) and
+    `public` (the text without it): a server passing the error on sends `public`, never the address.
+    """
+
+    address: str | None = None
+    public: str | None = None
 
 
 class InvalidRequest(EngineError, ValueError):
@@ -42,7 +55,8 @@ class SessionGone(EngineError):
 
 
 class PeerUnavailable(EngineError):
-    """A service cannot be reached (→ UNAVAILABLE); the message names the address."""
+    """A service cannot be reached (→ UNAVAILABLE); the message names the address, `public` only the
+    service."""
 
 
 class Overloaded(EngineError):
@@ -70,6 +84,11 @@ class Unauthenticated(EngineError):
 
 class StoreUnavailable(PeerUnavailable):
     """The configured request store (Redis) cannot be reached (→ UNAVAILABLE, naming the store)."""
+
+
+class StillRunning(EngineError):
+    """Resume of a request that a live orchestrator is still running (→ ABORTED): one run at a time
+    writes a record. Retry once it stops, or once its lease runs out without progress."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ import torch
 from specdec.drafting import guess_tokens, select_children
 from specdec.engine.api import (
     DRAFT_STRATEGIES,
+    MAX_LOOKAHEAD_GUESSES,
+    MAX_LOOKAHEAD_K,
+    MAX_TREE_NODES,
     DraftRequest,
     DraftResult,
     InvalidRequest,
@@ -46,9 +49,6 @@ from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import prepare
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import max_depth, sequence_parents
-
-MAX_TREE_NODES = 1024
-MAX_LOOKAHEAD_GUESSES = 16
 
 
 @dataclass
@@ -87,10 +87,14 @@ class DrafterEngine:
     def draft(self, request: DraftRequest) -> DraftResult:
         shape = _check_request(request)
         vocab = self.loaded.info.vocab_size
+        depth = max_depth(shape)
+        # Before any work on the call (the session's lock, reading `append`): appended tokens that
+        # alone cannot fit the context window are refused by their count.
+        check_context(len(request.append) + depth, self.loaded.info.max_context)
         with self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member():
             committed = advance(session.committed, request.session_id, request.base_len, request.append)
             check_tokens("append", request.append, vocab)
-            check_context(len(committed) + max_depth(shape), self.loaded.info.max_context)
+            check_context(len(committed) + depth, self.loaded.info.max_context)
             session.committed = committed
             try:
                 return self._draft(session, committed, shape, request)
@@ -203,6 +207,7 @@ class DrafterEngine:
     def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
         _check_lookahead(request)
         info = self.loaded.info
+        check_context(len(request.append) + 1 + request.k, info.max_context)  # before any work, as in draft
         with self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member():
             context = advance(session.committed, request.session_id, request.base_len, request.append)
             check_tokens("append", request.append, info.vocab_size)
@@ -326,9 +331,10 @@ def _check_drafting(request: DraftRequest | LookaheadRequest) -> None:
 
 def _check_request(request: DraftRequest) -> list[int]:
     _check_drafting(request)
+    if len(request.shape_parents) > MAX_TREE_NODES:
+        raise InvalidRequest(f"shape_parents holds {len(request.shape_parents)} nodes; at most "
+                             f"{MAX_TREE_NODES} are allowed (the drafter's cap)")
     shape = [int(p) for p in request.shape_parents]
-    if len(shape) > MAX_TREE_NODES:
-        raise InvalidRequest(f"shape_parents holds {len(shape)} nodes; at most {MAX_TREE_NODES} are allowed")
     for i, parent in enumerate(shape):
         if not -1 <= parent < i:
             raise InvalidRequest(
@@ -339,11 +345,12 @@ def _check_request(request: DraftRequest) -> list[int]:
 
 def _check_lookahead(request: LookaheadRequest) -> None:
     _check_drafting(request)
-    if not isinstance(request.k, int) or not 0 <= request.k <= MAX_TREE_NODES:
-        raise InvalidRequest(f"k must lie in 0..{MAX_TREE_NODES}, got {request.k!r}")
+    if not isinstance(request.k, int) or not 0 <= request.k <= MAX_LOOKAHEAD_K:
+        raise InvalidRequest(f"k must lie in 0..{MAX_LOOKAHEAD_K} (the drafter's cap), got {request.k!r}")
     for name in ("bonus_guesses", "rejection_guesses"):
         value = getattr(request, name)
         if not isinstance(value, int) or not 0 <= value <= MAX_LOOKAHEAD_GUESSES:
-            raise InvalidRequest(f"{name} must lie in 0..{MAX_LOOKAHEAD_GUESSES}, got {value!r}")
+            raise InvalidRequest(f"{name} must lie in 0..{MAX_LOOKAHEAD_GUESSES} (the drafter's cap), "
+                                 f"got {value!r}")
     if request.bonus_guesses + request.rejection_guesses == 0:
         raise InvalidRequest("bonus_guesses + rejection_guesses must be at least 1")

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.engine.api import (
+    MAX_TREE_NODES,
+    ContextTooLong,
     InvalidRequest,
     ModelInfo,
     ScoreRequest,
@@ -43,13 +45,13 @@ from specdec.runtime.batching import ForwardBatcher
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import TreeScore, commit_path, score_tree
+from specdec.runtime.text_bounds import max_bytes_per_token
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import DraftTree, DraftTreeError
 from specdec.verification.base import MethodParams, VerificationError, check_rows
 from specdec.verification.dispatch import verify
 from specdec.verification.lean import DraftRowsNeeded, LeanDraft, check_lean
 
-MAX_TREE_NODES = 1024
 DraftRows = torch.Tensor | LeanDraft | None  # full rows, a lean draft, or none (the method reads none)
 
 
@@ -89,6 +91,11 @@ class VerifierEngine:
         self._batcher = ForwardBatcher(loaded.model, self.batching)
         self._verify = verify_fn or verify
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
+        # The most bytes a text that fits the context window can have (specdec.runtime.text_bounds),
+        # None where the tokenizer gives no such bound: tokenize refuses longer texts unread.
+        per_token = max_bytes_per_token(loaded.tokenizer)
+        context = loaded.info.max_context
+        self.max_text_bytes: int | None = per_token * context if per_token and context > 0 else None
         self.sessions: SessionStore[VerifierSession] = SessionStore(
             self._new_session, sessions, clock, size_of=lambda session: session.kv.physical_len())
         self.score_hits = 0  # verifies that used an earlier score's rows
@@ -122,16 +129,39 @@ class VerifierEngine:
         """
         if not isinstance(text, str):
             raise InvalidRequest("text must be a string")
+        self._check_text_size(text)
         with self._tokenizer_lock:
             ids = self.loaded.tokenizer.encode(text, add_special_tokens=True)
         return [int(t) for t in ids]
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of the ids, special tokens included (skip_special_tokens=False): exact, never lossy."""
+        context = self.loaded.info.max_context
+        if context > 0 and len(token_ids) > context:
+            raise InvalidRequest(f"token_ids: {len(token_ids)} ids, more than the context window of "
+                                 f"{context} tokens can hold")
         check_tokens("token_ids", token_ids, self.loaded.info.vocab_size)
         with self._tokenizer_lock:
             return self.loaded.tokenizer.decode(
                 [int(t) for t in token_ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+
+    def _check_text_size(self, text: str) -> None:
+        """ContextTooLong for a text too long to fit the context window, before encoding it: its
+        characters first (no copy), its UTF-8 bytes only when they could be over the limit."""
+        limit = self.max_text_bytes
+        if limit is None or len(text) * 4 <= limit:  # at most 4 bytes a character
+            return
+        # str.isascii is O(1) (CPython knows a string's widest character); else encode only a text
+        # that its characters alone do not already put over the limit.
+        exact = text.isascii() or len(text) <= limit
+        size = len(text.encode("utf-8", "surrogatepass")) if exact and not text.isascii() else len(text)
+        if size > limit:
+            context = self.loaded.info.max_context
+            raise ContextTooLong(
+                f"text: {'' if exact else 'at least '}{size} UTF-8 bytes cannot fit the "
+                f"context window of {context} tokens (this tokenizer's tokens stand for at most "
+                f"{limit // context} bytes each, so at most {limit} bytes fit)"
             )
 
     # scoring --------------------------------------------------------------------------------
@@ -139,6 +169,7 @@ class VerifierEngine:
         """Run the forward pass for (committed + tree) now; returns when its rows are parked."""
         tree = self._tree(request.tree_tokens, request.tree_parents)
         _check_sampling(request.sampling)
+        self._check_length(request.append, tree)
         with self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member():
             committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
             key = _key(committed, tree)
@@ -157,6 +188,7 @@ class VerifierEngine:
     def verify(self, request: VerifyRequest) -> VerifyOutcome:
         tree = self._tree(request.tree_tokens, request.tree_parents)
         _check_sampling(request.sampling)
+        self._check_length(request.append, tree)
         try:
             method = verification_method(request.method)
         except VerificationError as exc:
@@ -225,6 +257,12 @@ class VerifierEngine:
             )
 
     # helpers --------------------------------------------------------------------------------
+    def _check_length(self, append: list[int], tree: DraftTree) -> None:
+        """A call whose appended tokens alone cannot fit the context window, refused by their count:
+        before the session's lock, reading them or any forward pass. (base_len is checked against the
+        session: one beyond it means SessionGone, resend the context.)"""
+        check_context(len(append) + tree.max_depth, self.loaded.info.max_context)
+
     def _forward(
         self, session: VerifierSession, committed: list[int], tree: DraftTree
     ) -> tuple[TreeScore, float]:
@@ -247,7 +285,8 @@ class VerifierEngine:
     def _tree(self, tokens: list[int], parents: list[int]) -> DraftTree:
         if len(tokens) > MAX_TREE_NODES:
             raise InvalidRequest(
-                f"tree_tokens holds {len(tokens)} nodes; at most {MAX_TREE_NODES} are allowed"
+                f"tree_tokens holds {len(tokens)} nodes; at most {MAX_TREE_NODES} are allowed "
+                "(the verifier's cap)"
             )
         if len(tokens) != len(parents):
             raise InvalidRequest(f"tree_parents has {len(parents)} entries for {len(tokens)} tree_tokens")

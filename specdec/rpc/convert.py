@@ -443,6 +443,21 @@ def generation_request_from_proto(msg: generation_pb2.GenerationRequest) -> Gene
     )
 
 
+def resume_request_to_proto(request_id: str) -> generation_pb2.ResumeRequest:
+    return generation_pb2.ResumeRequest(request_id=_resume_id(request_id))
+
+
+def resume_request_from_proto(msg: generation_pb2.ResumeRequest) -> str:
+    """The request_id to resume (an empty one names no request: INVALID_ARGUMENT)."""
+    return _resume_id(msg.request_id)
+
+
+def _resume_id(request_id: str) -> str:
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequest("request_id: give the id of the stored request to resume")
+    return request_id
+
+
 def generation_stats_to_proto(stats: GenerationStats) -> generation_pb2.GenerationStats:
     return generation_pb2.GenerationStats(
         iterations=int(stats.iterations),

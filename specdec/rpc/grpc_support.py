@@ -4,6 +4,7 @@ Error mapping (server side), the same for every service:
   SessionGone                                        → FAILED_PRECONDITION (resend the context)
   AlreadyExists (a request_id with a stored record)  → ALREADY_EXISTS
   NotFound (no stored request of that id for the caller) → NOT_FOUND
+  StillRunning (Resume of a request another run holds) → ABORTED
   Unauthenticated                                    → UNAUTHENTICATED
   PeerUnavailable (an orchestrator lost its verifier) → UNAVAILABLE
   Overloaded (an engine's KV budget or session cap, or the orchestrator's request slots, full)
@@ -25,7 +26,9 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import inspect
 import logging
+import re
 import signal
 import time
 import weakref
@@ -47,6 +50,7 @@ from specdec.engine.api import (
     Overloaded,
     PeerUnavailable,
     SessionGone,
+    StillRunning,
     Unauthenticated,
 )
 from specdec.rpc import convert
@@ -85,30 +89,38 @@ def _short(text: str) -> str:
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status an exception becomes (see the module docstring)."""
+    """The gRPC status an exception becomes (see the module docstring). An error a client raised for
+    a peer's status goes on with its `public` text: never the peer's address."""
+    text = exc.public if isinstance(exc, EngineError) and exc.public is not None else str(exc)
     if isinstance(exc, SessionGone):
-        return grpc.StatusCode.FAILED_PRECONDITION, _short(str(exc) or "session gone; resend the context")
+        return grpc.StatusCode.FAILED_PRECONDITION, _short(text or "session gone; resend the context")
     if isinstance(exc, PeerUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, _short(str(exc))
+        return grpc.StatusCode.UNAVAILABLE, _short(text)
     if isinstance(exc, AlreadyExists):
-        return grpc.StatusCode.ALREADY_EXISTS, _short(str(exc))
+        return grpc.StatusCode.ALREADY_EXISTS, _short(text)
     if isinstance(exc, NotFound):
-        return grpc.StatusCode.NOT_FOUND, _short(str(exc))
+        return grpc.StatusCode.NOT_FOUND, _short(text)
+    if isinstance(exc, StillRunning):
+        return grpc.StatusCode.ABORTED, _short(text)
     if isinstance(exc, Unauthenticated):
-        return grpc.StatusCode.UNAUTHENTICATED, _short(str(exc) or "unauthenticated")
+        return grpc.StatusCode.UNAUTHENTICATED, _short(text or "unauthenticated")
     if isinstance(exc, Overloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, _short(OVERLOADED_PREFIX + (str(exc) or "retry later"))
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, _short(OVERLOADED_PREFIX + (text or "retry later"))
     if isinstance(exc, ValueError):  # InvalidRequest, SamplingParamsError, VerificationError
-        return grpc.StatusCode.INVALID_ARGUMENT, _short(str(exc) or type(exc).__name__)
+        return grpc.StatusCode.INVALID_ARGUMENT, _short(text or type(exc).__name__)
     if isinstance(exc, EngineError):
-        return grpc.StatusCode.INTERNAL, _short(f"{type(exc).__name__}: {exc}")
+        return grpc.StatusCode.INTERNAL, _short(f"{type(exc).__name__}: {text}")
     return grpc.StatusCode.INTERNAL, "internal error (details in the server log)"
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, rpc: str) -> None:
+    """Abort the call with the status of `exc`; the server log line keeps what the client is not told
+    (a peer's address: EngineError.address)."""
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("%s failed", rpc, exc_info=exc)
+    elif isinstance(exc, EngineError) and exc.address is not None:
+        log.info("%s: %s %s (from %s: %s)", rpc, code.name, message, exc.address, _short(str(exc)))
     else:
         log.info("%s: %s %s", rpc, code.name, message)
     await context.abort(code, message)
@@ -225,6 +237,112 @@ _ON_STOP: WeakKeyDictionary[grpc.aio.Server, list[Callable[[], None]]] = WeakKey
 _HEALTH: WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = WeakKeyDictionary()
 
 
+def add_on_stop(server: grpc.aio.Server, callback: Callable[[], None]) -> None:
+    """Run `callback` after stop_server stops `server` (or when it is collected), as start_server's
+    `on_stop` callbacks: e.g. shut down a worker pool of one of its servicers."""
+    weakref.finalize(server, callback)
+    _ON_STOP.setdefault(server, []).append(callback)
+
+
+# ---------------------------------------------------------------- requests that do not parse
+
+
+class MalformedRequest:
+    """What a request whose bytes do not parse becomes (instead of grpc's UNKNOWN status with a
+    traceback at ERROR, one per call): its handler then answers INVALID_ARGUMENT, logging one line."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever else a parser raises
+            return MalformedRequest(_short(str(exc) or type(exc).__name__))
+
+    return parse
+
+
+async def _refuse_malformed(
+    context: grpc.aio.ServicerContext, request: MalformedRequest, method: str
+) -> None:
+    message = f"malformed request: {request.reason}"
+    log.info("%s: INVALID_ARGUMENT %s", method, message)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _refusing_malformed(behavior: Callable[..., Any], method: str) -> Callable[..., Any] | None:
+    """`behavior` answering a MalformedRequest itself; None for a kind it cannot wrap (synchronous)."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, MalformedRequest):
+                await _refuse_malformed(context, request, method)
+            responses = behavior(request, context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                await responses.aclose()
+
+        return stream
+    if inspect.iscoroutinefunction(behavior):
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, MalformedRequest):
+                await _refuse_malformed(context, request, method)
+            return await behavior(request, context)
+
+        return unary
+    return None
+
+
+def guard_parsing(handler: grpc.RpcMethodHandler | None, method: str) -> grpc.RpcMethodHandler | None:
+    """`handler` with a request parser that never raises: bytes that do not parse get INVALID_ARGUMENT
+    "malformed request: …" and one log line. Handlers of streamed requests, synchronous behaviours
+    or none of a parser stay as they are."""
+    if (handler is None or handler.request_streaming or handler.request_deserializer is None
+            or not hasattr(handler, "_replace")):
+        return handler
+    kind = "unary_stream" if handler.response_streaming else "unary_unary"
+    behavior = _refusing_malformed(getattr(handler, kind), method)
+    if behavior is None:
+        return handler
+    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer), **{kind: behavior})
+
+
+class _GuardedGeneric(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self._inner = inner
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return guard_parsing(self._inner.service(handler_call_details), handler_call_details.method)
+
+
+class _ParsingGuard:
+    """The server as the generated add_*_to_server functions see it: every handler added through it
+    goes through guard_parsing."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_GuardedGeneric(handler) for handler in handlers))
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self._server.add_registered_method_handlers(
+            service, {name: guard_parsing(h, f"/{service}/{name}") for name, h in handlers.items()})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
 async def start_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: Sequence[str],
@@ -249,9 +367,10 @@ async def start_server(
         # No SO_REUSEPORT: a second server on a busy port must fail, not silently share it.
         options=[*message_options(max_message_mb), ("grpc.so_reuseport", 0), *options],
     )
-    register(server)
+    guarded_server = _ParsingGuard(server)  # bytes that do not parse: INVALID_ARGUMENT, one log line
+    register(guarded_server)  # type: ignore[arg-type]
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, guarded_server)
     reflected = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(reflected, server)
     address = format_address(host, port)
@@ -273,6 +392,19 @@ async def start_server(
     _HEALTH[server] = health_servicer
     log.info("serving %s on %s", ", ".join(service_names), format_address(host, bound))
     return server, bound
+
+
+async def set_health(server: grpc.aio.Server, serving: bool, service_names: Sequence[str] = ()) -> bool:
+    """Report SERVING or NOT_SERVING for "" and each of `service_names` (a server whose status
+    follows its dependencies: orchestrator.health). False when the server was stopped, or is
+    stopping: it then reports NOT_SERVING for good."""
+    health_servicer = _HEALTH.get(server)
+    if health_servicer is None:
+        return False
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *service_names):
+        await health_servicer.set(name, status)
+    return True
 
 
 async def stop_server(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
@@ -350,21 +482,54 @@ async def start_engine_server(
 # ------------------------------------------------------------------------------ client side
 
 
+UPSTREAM = "upstream service"  # how a peer is named to clients when its caller gives no name
+# Addresses in grpc's own status details ("ipv4:127.0.0.1:50051", "[::1]:50051", "host:50051").
+_ADDRESSES = re.compile(
+    r"(?:ipv4|ipv6|unix|unix-abstract|vsock|dns):[^\s,;]*[^\s,;:]"
+    r"|\[[0-9A-Fa-f:.%]+\](?::\d+)?"
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"
+    r"|\b[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?:\d{2,5}\b"
+)
+
+
+def without_addresses(text: str, address: str = "") -> str:
+    """`text` with `address` and anything that looks like a network address replaced by <address>."""
+    if address:
+        text = text.replace(address, "<address>")
+    return _ADDRESSES.sub("<address>", text)
+
+
+def _from_peer(exc: EngineError, address: str, public: str) -> EngineError:
+    exc.address, exc.public = address, public
+    return exc
+
+
 class RemoteError(EngineError):
     """A status with no closer engine exception (INTERNAL, RESOURCE_EXHAUSTED, …); keeps the code."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, address: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, address: str, service: str | None = None) -> None:
         super().__init__(f"{address}: {code.name}: {details}")
         self.code = code
         self.details = details
         self.address = address
+        self.public = f"{service or UPSTREAM}: {code.name}: {without_addresses(details, address)}"
 
 
-def error_from_status(code: grpc.StatusCode, details: str | None, address: str) -> EngineError:
-    """The exception a client raises for a failed call (the inverse of status_for)."""
+def error_from_status(
+    code: grpc.StatusCode, details: str | None, address: str, service: str | None = None
+) -> EngineError:
+    """The exception a client raises for a failed call (the inverse of status_for).
+
+    Its str() names the peer's `address` (for logs and the CLI); its `public` text, which a server
+    passing the error on sends to its own clients, names the peer as `service` (e.g. "verifier"),
+    without the address.
+    """
     details = details or ""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return PeerUnavailable(f"{address} unavailable ({code.name}): {details}")
+        public = f"{service or UPSTREAM} unavailable ({code.name})"
+        if details:
+            public += f": {without_addresses(details, address)}"
+        return _from_peer(PeerUnavailable(f"{address} unavailable ({code.name}): {details}"), address, public)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return SessionGone(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -373,11 +538,15 @@ def error_from_status(code: grpc.StatusCode, details: str | None, address: str) 
         return AlreadyExists(details)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
+    if code == grpc.StatusCode.ABORTED:
+        return StillRunning(details)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if details.startswith(OVERLOADED_PREFIX):
-            return Overloaded(f"{address}: {details.removeprefix(OVERLOADED_PREFIX)}")
+            overloaded = details.removeprefix(OVERLOADED_PREFIX)
+            return _from_peer(Overloaded(f"{address}: {overloaded}"), address,
+                              f"{service or UPSTREAM}: {overloaded}")
         return RemoteError(code, f"{details} (raise max_message_mb on both sides if a message is too large)",
-                           address)
-    return RemoteError(code, details, address)
+                           address, service)
+    return RemoteError(code, details, address, service)

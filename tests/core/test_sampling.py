@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from specdec.sampling import SamplingParams, SamplingParamsError, warp_logits
+from specdec.sampling import MIN_TEMPERATURE, SamplingParams, SamplingParamsError, warp_logits
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = [torch.float32, torch.float64]
@@ -152,13 +152,20 @@ def test_temperature_scales_logits(logits, temperature):
     np.testing.assert_allclose(out.numpy(), _base_probs(logits, temperature), rtol=1e-12, atol=1e-300)
 
 
-@pytest.mark.parametrize(("temperature", "dtype"), [(1e-37, torch.float32), (1e-40, torch.float32),
-                                                     (1e-305, torch.float64), (1e-310, torch.float64)])
-def test_tiny_temperature_is_not_nan(temperature, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_smallest_temperature_is_not_nan(dtype):
     # regression: logits / T overflowed to inf and softmax returned NaN for valid T > 0
     logits = torch.tensor([100.0, 300.0, -5.0], dtype=dtype)
-    out = warp_logits(logits, SamplingParams(temperature=temperature))
+    out = warp_logits(logits, SamplingParams(temperature=MIN_TEMPERATURE))
     assert out.tolist() == [0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("temperature", [1e-46, 1e-40, 1e-310, MIN_TEMPERATURE / 2])
+def test_temperature_below_the_bound_is_refused(temperature):
+    # 1e-46 underflows float32 to 0: the rows became "not a distribution (sum nan)" (issue 14)
+    with pytest.raises(SamplingParamsError, match=r"temperature must be 0 \(greedy\) or at least 0.0001"):
+        SamplingParams(temperature=temperature)
+    assert SamplingParams(temperature=0.0).greedy
 
 
 def test_minus_infinity_logits_get_zero_probability():

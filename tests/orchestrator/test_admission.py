@@ -150,9 +150,13 @@ def test_overloaded_maps_to_resource_exhausted_and_back():
     back = error_from_status(code, details, "127.0.0.1:50052")
     assert isinstance(back, Overloaded)
     assert str(back) == "127.0.0.1:50052: KV budget full: 10 of 10 tokens held by 2 busy sessions"
-    # the orchestrator passes an engine's Overloaded on: the prefix is never doubled
-    assert status_for(back)[1] == f"{OVERLOADED_PREFIX}127.0.0.1:50052: KV budget full: 10 of 10 tokens " \
+    # the orchestrator passes an engine's Overloaded on: the prefix is never doubled, and its
+    # clients get the engine's name, not its address (that stays in str(), for the log)
+    assert status_for(back)[1] == f"{OVERLOADED_PREFIX}upstream service: KV budget full: 10 of 10 tokens " \
                                   "held by 2 busy sessions"
+    named = error_from_status(code, details, "127.0.0.1:50052", service="verifier")
+    assert status_for(named)[1] == f"{OVERLOADED_PREFIX}verifier: KV budget full: 10 of 10 tokens held by " \
+                                   "2 busy sessions"
 
 
 def test_an_oversized_message_is_still_a_remote_error_with_the_hint():

@@ -19,7 +19,7 @@ from orchestrator.intervals import overlap, union
 from orchestrator.scheduling import rank_acceptance_from_calibration
 from orchestrator.speculation import Orchestrator
 from orchestrator.store import MemoryStore, RedisStore
-from specdec.engine.api import InvalidRequest, Overloaded, SessionGone
+from specdec.engine.api import InvalidRequest, NotFound, Overloaded, SessionGone, StillRunning
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
 from specdec.generation import GenerationRequest
@@ -349,6 +349,9 @@ async def test_context_window_ends_generation(make_orchestrator):
 # store, resume after an orchestrator's death
 
 
+LEASE_S = 0.2  # the dying orchestrators' resume lease: a dead run's record is resumable after it
+
+
 async def _die_after(orch, request, chunks: int):
     """Consume `chunks` chunks, then abandon the stream without closing it (as a dead process would).
 
@@ -371,12 +374,15 @@ async def test_resume_after_orchestrator_death(make_orchestrator, loaded, reques
     shared = MemoryStore()
     prompt = PROMPTS[3]
     req = _request(prompt, 30, "ersd", SAMPLE, seed=31, k=2, request_id=f"resume-{backend}")
-    first = make_orchestrator(store=new_store())
+    first = make_orchestrator(store=new_store(), resume_lease_seconds=LEASE_S)
     abandoned = await _die_after(first, req, 3)
     record = await first.store.get_request(req.request_id)
     assert record.status == "running" and 3 <= len(record.token_ids) < 30
 
     second = make_orchestrator(store=new_store())
+    with pytest.raises(StillRunning, match="still running"):  # its lease has not run out yet
+        await second.resume(req.request_id)
+    await asyncio.sleep(LEASE_S)
     resumed = await second.resume(req.request_id)
     assert resumed.token_ids[: len(record.token_ids)] == record.token_ids
     # exact: the same seeded race decoding as an uninterrupted run
@@ -395,8 +401,9 @@ async def test_resume_after_orchestrator_death(make_orchestrator, loaded, reques
 async def test_resume_of_a_sampled_rd_request_continues_from_its_tokens(make_orchestrator):
     store = MemoryStore()
     req = _request(PROMPTS[0], 20, "rd", SAMPLE, seed=5, k=3, a=0.5, request_id="rd-resume")
-    abandoned = await _die_after(make_orchestrator(store=store), req, 2)
+    abandoned = await _die_after(make_orchestrator(store=store, resume_lease_seconds=LEASE_S), req, 2)
     stored = (await store.get_request("rd-resume")).token_ids
+    await asyncio.sleep(LEASE_S)
     resumed = await make_orchestrator(store=store).resume("rd-resume")
     assert resumed.token_ids[: len(stored)] == stored and len(resumed.token_ids) == 20
     chunks = [c async for c in make_orchestrator(store=store).resume_stream("rd-resume")]
@@ -405,7 +412,7 @@ async def test_resume_of_a_sampled_rd_request_continues_from_its_tokens(make_orc
 
 
 async def test_resume_unknown_request(make_orchestrator):
-    with pytest.raises(InvalidRequest, match="request_id"):
+    with pytest.raises(NotFound, match="request_id: no stored request 'nope'"):
         await make_orchestrator().resume("nope")
 
 

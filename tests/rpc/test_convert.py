@@ -32,7 +32,7 @@ from specdec.generation import (
 )
 from specdec.rpc import convert
 from specdec.rpc.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2
-from specdec.sampling import SamplingParams, SamplingParamsError
+from specdec.sampling import MIN_TEMPERATURE, SamplingParams, SamplingParamsError
 from specdec.verification.base import MethodParams
 
 FAST = settings(max_examples=60, deadline=None)
@@ -44,7 +44,7 @@ non_negative = st.floats(0, 1e6, allow_nan=False)
 seeds = st.integers(0, 2**64 - 1)
 sampling = st.builds(
     SamplingParams,
-    temperature=st.floats(0, 100, allow_nan=False),
+    temperature=st.one_of(st.just(0.0), st.floats(MIN_TEMPERATURE, 100, allow_nan=False)),  # 0: greedy
     top_k=st.integers(0, 2**31 - 1),
     top_p=st.floats(0, 1, exclude_min=True, allow_nan=False),
 )

@@ -71,6 +71,8 @@ def test_services_and_rpcs() -> None:
     assert rpcs(generation_pb2, "GenerationService") == {
         "Generate": (False, False),
         "GenerateStream": (False, True),
+        "Resume": (False, False),
+        "ResumeStream": (False, True),
     }
 
 

@@ -25,6 +25,7 @@ from specdec.engine.api import (
     VerifyRequest,
 )
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats
+from specdec.rpc.security import ANONYMOUS
 from specdec.sampling import SamplingParamsError
 from specdec.verification.base import VerificationError
 
@@ -132,6 +133,7 @@ class FakeOrchestrator:
 
     def __init__(self) -> None:
         self.requests: list[GenerationRequest] = []
+        self.owners: list[str] = []  # the caller identity of each call (specdec.rpc.security)
         self.stream_closed = asyncio.Event()
 
     def _result(self, request: GenerationRequest) -> GenerationResult:
@@ -164,12 +166,14 @@ class FakeOrchestrator:
         if request.prompt == "crash":
             raise RuntimeError(SECRET)
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
+    async def generate(self, request: GenerationRequest, *, owner: str = ANONYMOUS) -> GenerationResult:
+        self.owners.append(owner)
         self._check(request)
         await asyncio.sleep(0)
         return self._result(request)
 
-    async def generate_stream(self, request: GenerationRequest):
+    async def generate_stream(self, request: GenerationRequest, *, owner: str = ANONYMOUS):
+        self.owners.append(owner)
         self._check(request)
         try:
             result = self._result(request)

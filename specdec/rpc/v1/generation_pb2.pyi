@@ -9,6 +9,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
 class GenerationRequest(_message.Message):
     __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline", "pipeline_max_k", "pipeline_bonus_guesses", "pipeline_rejection_guesses")
     PROMPT_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,16 @@ class GenerationServiceStub:
                 request_serializer=specdec_dot_v1_dot_generation__pb2.GenerationRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_generation__pb2.GenerationChunk.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/specdec.v1.GenerationService/Resume',
+                request_serializer=specdec_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_generation__pb2.GenerationResult.FromString,
+                _registered_method=True)
+        self.ResumeStream = channel.unary_stream(
+                '/specdec.v1.GenerationService/ResumeStream',
+                request_serializer=specdec_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_generation__pb2.GenerationChunk.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -65,6 +75,35 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Continue a stored request from its stored tokens (see "Resuming requests" in
+        docs/reliability.md). Every request is stored as it runs, under its `request_id`, bound to the
+        identity that created it (its bearer token or client certificate; callers with neither share
+        one anonymous identity), for the orchestrator's request TTL after its last progress.
+        - A seeded request continues exactly: the result equals the uninterrupted run, token for token.
+        - A finished request: its stored result, nothing is run again.
+        - No stored request of that id for this caller (never stored, expired, or stored by another
+        identity, which is not revealed): NOT_FOUND "request_id: no stored request '<id>'".
+        - A request that a live orchestrator is still running (its record made progress within the
+        orchestrator's resume lease, 10 s by default): ABORTED; retry once it stops or the lease
+        runs out. One run at a time writes a record.
+        - The request store (Redis) down: UNAVAILABLE naming it.
+        The result carries every token of the request (the stored ones and the new ones); `stats`
+        add up over all its runs, `iterations` cover this run only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeStream(self, request, context):
+        """As Resume, streamed. The first chunk carries every token stored so far (and their text; none
+        when nothing was stored), then one chunk per iteration: the chunks put together are the whole
+        output, as with GenerateStream. A finished request is one chunk, with `result`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +115,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
                     request_deserializer=specdec_dot_v1_dot_generation__pb2.GenerationRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_generation__pb2.GenerationChunk.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=specdec_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_generation__pb2.GenerationResult.SerializeToString,
+            ),
+            'ResumeStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.ResumeStream,
+                    request_deserializer=specdec_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_generation__pb2.GenerationChunk.SerializeToString,
             ),
     }
@@ -133,6 +182,60 @@ class GenerationService:
             target,
             '/specdec.v1.GenerationService/GenerateStream',
             specdec_dot_v1_dot_generation__pb2.GenerationRequest.SerializeToString,
+            specdec_dot_v1_dot_generation__pb2.GenerationChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.GenerationService/Resume',
+            specdec_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+            specdec_dot_v1_dot_generation__pb2.GenerationResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specdec.v1.GenerationService/ResumeStream',
+            specdec_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
             specdec_dot_v1_dot_generation__pb2.GenerationChunk.FromString,
             options,
             channel_credentials,
