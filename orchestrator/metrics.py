@@ -25,6 +25,9 @@ Orchestrator (OrchestratorMetrics, a LoopObserver: orchestrator.speculation call
   specdec_queued_requests                           requests waiting for a slot
   specdec_rejected_requests_total                   requests refused (Overloaded) after --queue-timeout
   specdec_request_slots                             the limit, --max-active-requests
+  specdec_dependency_up{dependency}                 verifier / drafter / store answering and compatible
+  specdec_serving                                   1 while gRPC health says SERVING (orchestrator.health)
+  specdec_drafter_timeouts_total                    drafter calls abandoned after their deadline
 Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label role = drafter | verifier):
   specdec_engine_calls_total{role,rpc,outcome}      Draft / Lookahead / Score / Verify calls; outcome ok |
                                                     session_gone | invalid | overloaded | cancelled | error
@@ -139,10 +142,21 @@ class OrchestratorMetrics:
                                        "busy time.", "method", buckets=RATIO_BUCKETS)
         self.admission = _StatsCollector(_ADMISSION_STATS)
         registry.register(self.admission)
+        self.dependencies = _StatsCollector(_DEPENDENCY_STATS, label="dependency")
+        registry.register(self.dependencies)
+        self.health = _StatsCollector(_HEALTH_STATS)
+        registry.register(self.health)
 
     def watch_orchestrator(self, orchestrator: Any) -> None:
-        """Report orchestrator.admission_stats() (request slots: running, queued, refused) at every scrape."""
+        """Report orchestrator.admission_stats() (request slots: running, queued, refused) and, when it has
+        them, its dependencies' states (orchestrator.health) at every scrape."""
         self.admission.add((), orchestrator.admission_stats)
+        status = getattr(orchestrator, "dependency_status", None)
+        if status is None:
+            return
+        for name in ("verifier", "drafter", "store"):
+            self.dependencies.add((name,), lambda name=name: _dependency_up(status(), name))
+        self.health.add((), lambda: _health_values(status()))
 
     # LoopObserver
     def request_started(self, request_id: str, epoch: Callable[[float], float],
@@ -328,6 +342,30 @@ _SESSION_STATS = {
 
 
 # orchestrator.admission_stats() key → (metric name, help, type)
+_DEPENDENCY_STATS = {
+    "up": ("specdec_dependency_up", "1 while the dependency answers and is compatible, else 0 (a drafter "
+           "down or incompatible means target-only steps; the verifier or store down means NOT_SERVING).",
+           "gauge"),
+}
+_HEALTH_STATS = {
+    "serving": ("specdec_serving", "1 while the orchestrator's gRPC health says SERVING.", "gauge"),
+    "drafter_timeouts": ("specdec_drafter_timeouts", "Drafter calls abandoned after their deadline "
+                         "(the iteration ran target-only).", "counter"),
+}
+
+
+def _dependency_up(status: Mapping[str, Any], name: str) -> dict[str, float]:
+    entry = status.get(name)
+    if not isinstance(entry, Mapping) or entry.get("state") == "absent":
+        return {}  # e.g. no store configured, no drafter: no series
+    return {"up": 1.0 if entry.get("state") == "ok" else 0.0}
+
+
+def _health_values(status: Mapping[str, Any]) -> dict[str, float]:
+    return {"serving": 1.0 if status.get("serving") else 0.0,
+            "drafter_timeouts": float(status.get("drafter_timeouts", 0))}
+
+
 _ADMISSION_STATS = {
     "active": ("specdec_admitted_requests", "Requests holding one of the --max-active-requests slots.",
                "gauge"),

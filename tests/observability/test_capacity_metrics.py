@@ -100,6 +100,26 @@ async def test_the_orchestrator_reports_its_request_slots(tiny_loaded):
     await orch.close()
 
 
+def test_dependency_states_are_on_metrics():
+    registry = metrics.new_registry(process=False)
+    om = metrics.OrchestratorMetrics(registry)
+
+    class Orchestrator:
+        def admission_stats(self) -> dict:
+            return {}
+
+        def dependency_status(self) -> dict:
+            return {"serving": False, "verifier": {"state": "unreachable"}, "drafter": {"state": "ok"},
+                    "store": {"state": "absent"}, "drafter_timeouts": 3}
+
+    om.watch_orchestrator(Orchestrator())
+    value = registry.get_sample_value
+    assert value("specdec_dependency_up", {"dependency": "verifier"}) == 0
+    assert value("specdec_dependency_up", {"dependency": "drafter"}) == 1
+    assert value("specdec_dependency_up", {"dependency": "store"}) is None
+    assert value("specdec_serving") == 0 and value("specdec_drafter_timeouts_total") == 3
+
+
 def test_an_overloaded_engine_call_has_its_own_outcome():
     assert metrics.call_outcome(Overloaded("KV budget full")) == "overloaded"
 
@@ -107,7 +127,8 @@ def test_an_overloaded_engine_call_has_its_own_outcome():
 def test_the_capacity_metrics_are_documented():
     docs = DOCS.read_text()
     module_doc = metrics.__doc__ or ""
-    tables = [metrics._SESSION_STATS, metrics._ADMISSION_STATS]
+    tables = [metrics._SESSION_STATS, metrics._ADMISSION_STATS, metrics._DEPENDENCY_STATS,
+              metrics._HEALTH_STATS]
     for table in tables:
         for name, _, kind in table.values():
             exposed = name + ("_total" if kind == "counter" else "")
