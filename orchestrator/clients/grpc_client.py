@@ -215,14 +215,8 @@ class GenerationClient(_GrpcClient):
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Chunks as the orchestrator emits them; the deadline covers the whole stream."""
         msg = _encode(convert.generation_request_to_proto, request)
-        call = self._open().GenerateStream(msg, timeout=self.timeout_s, wait_for_ready=False)
-        try:
-            async for chunk in call:
-                yield convert.generation_chunk_from_proto(chunk)
-        except grpc.aio.AioRpcError as err:
-            raise self._error(err) from None
-        finally:
-            call.cancel()  # no-op when finished; frees the server when the consumer stops early
+        async for chunk in self._chunks("GenerateStream", msg):
+            yield chunk
 
     async def resume(self, request_id: str) -> GenerationResult:
         """Continue this caller's stored request (NotFound: none; StillRunning: a live run holds it)."""
@@ -232,11 +226,16 @@ class GenerationClient(_GrpcClient):
     async def resume_stream(self, request_id: str) -> AsyncIterator[GenerationChunk]:
         """As resume, streamed: the first chunk carries the tokens stored so far, then one per iteration."""
         msg = _encode(convert.resume_request_to_proto, request_id)
-        call = self._open().ResumeStream(msg, timeout=self.timeout_s, wait_for_ready=False)
+        async for chunk in self._chunks("ResumeStream", msg):
+            yield chunk
+
+    async def _chunks(self, method: str, msg: Any) -> AsyncIterator[GenerationChunk]:
+        """A server-streaming call's chunks; the deadline covers the whole stream."""
+        call = getattr(self._open(), method)(msg, timeout=self.timeout_s, wait_for_ready=False)
         try:
             async for chunk in call:
                 yield convert.generation_chunk_from_proto(chunk)
         except grpc.aio.AioRpcError as err:
             raise self._error(err) from None
         finally:
-            call.cancel()
+            call.cancel()  # no-op when finished; frees the server when the consumer stops early
