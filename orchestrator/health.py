@@ -33,6 +33,7 @@ import grpc
 
 from specdec.engine.api import ModelInfo, PeerUnavailable, StoreUnavailable
 from specdec.rpc.grpc_support import set_health, status_for
+from specdec.rpc.refusal import refusing
 
 log = logging.getLogger(__name__)
 
@@ -259,24 +260,5 @@ class ServingGate(grpc.aio.ServerInterceptor):
             code, message = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.error("the serving check of %s failed", handler_call_details.method, exc_info=exc)
-            return _refusing(handler, code, message)
+            return refusing(handler, code, message)
         return handler
-
-
-def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers `code` `message`."""
-    codec = {"request_deserializer": handler.request_deserializer,
-             "response_serializer": handler.response_serializer}
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, message)
-
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, message)
-        yield  # pragma: no cover - abort raises; this makes it a generator
-
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream, **codec)
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary, **codec)
-    return handler  # streaming requests: GenerationService has none

@@ -239,14 +239,14 @@ class RunSessions:
         except (PeerUnavailable, Overloaded, DrafterIncompatible, DrafterChanged) as exc:
             raise DrafterDown(exc) from exc  # an overloaded drafter is shed like a lost one
         except InvalidRequest as exc:  # e.g. a context beyond a restarted drafter's shorter window
-            change = await self.watch.drafter_changed() if self.watch is not None else None
+            change = await self._drafter_change()
             if change is None:
                 raise  # the drafter is as it was: a real error
             raise DrafterDown(change) from exc
         vocab = self.watch.target_vocab_size if self.watch is not None else None
         if vocab is not None and not _fits(result, vocab):  # a drafter restarted with another vocabulary
             self.drafter_mirror = SessionMirror()
-            change = await self.watch.drafter_changed() if self.watch is not None else None
+            change = await self._drafter_change()
             raise DrafterDown(change or DrafterIncompatible(f"the drafter answered {op} with tokens or rows "
                                                             f"outside the verifier's vocabulary of {vocab}"))
         return result
@@ -268,9 +268,13 @@ class RunSessions:
         watch.drafter_took(passes, catch_up, time.perf_counter() - started)
         return result
 
+    async def _drafter_change(self) -> EngineError | None:
+        """Re-read the drafter's info through the watch: why not to draft now, or None (also without one)."""
+        return await self.watch.drafter_changed() if self.watch is not None else None
+
     async def _drafter_gone(self) -> None:
         """The drafter forgot the run's session: if it restarted as another drafter, do not resend."""
-        change = await self.watch.drafter_changed() if self.watch is not None else None
+        change = await self._drafter_change()
         if change is not None:
             raise change
 

@@ -309,7 +309,9 @@ class Orchestrator:
         orchestrator that dies) leaves it "running" with everything produced so far: resumable.
         """
         seconds_before = run.stats.seconds
-        sessions = RunSessions(run, self.drafter, self.verifier, draft_rows=self.config.draft_rows)
+        # watch=self: deadlines of drafter calls, re-checks of restarted engines (sessions.EngineWatch)
+        sessions = RunSessions(run, self.drafter, self.verifier, draft_rows=self.config.draft_rows,
+                               watch=self)
         error: BaseException | None = None
         if self.observer is not None:
             run.probe = self._observe_start(run, self.observer)
@@ -359,8 +361,6 @@ class Orchestrator:
     ) -> None:
         """One iteration: decide → draft (or take the pre-draft) → verify → stop conditions → account."""
         await self.ensure_serving()  # a verifier lost or changed under the run fails it (UNAVAILABLE)
-        if sessions.watch is None:
-            sessions.watch = self  # deadlines of drafter calls, re-checks of restarted engines
         committed = run.committed
         position = len(committed)
         timeline = Timeline(probe)

@@ -23,6 +23,8 @@ from typing import Any
 
 import grpc
 
+from specdec.rpc.refusal import refusing
+
 log = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"
@@ -218,26 +220,6 @@ def write_token_file(path: Path, token: str) -> Path:
 # ------------------------------------------------------------------------------ server side
 
 
-async def _deny_unary(request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-
-
-async def _deny_stream(request: Any, context: grpc.aio.ServicerContext):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-    yield  # pragma: no cover - abort raises; this only makes the function a generator
-
-
-def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind that answers UNAUTHENTICATED without parsing the request."""
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_deny_stream)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_deny_unary)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_deny_stream)
-    return grpc.unary_unary_rpc_method_handler(_deny_unary)
-
-
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Lets through only calls carrying `authorization: Bearer <one of tokens>`; any other call gets
     UNAUTHENTICATED before its request is parsed. Methods under an `exempt` prefix (health) stay open.
@@ -271,7 +253,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # unknown method: UNIMPLEMENTED, as without the interceptor
             return None
         self._note_rejection(method)
-        return _denying(handler)
+        return refusing(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
     def _note_rejection(self, method: str) -> None:
         self._rejected += 1
