@@ -115,10 +115,10 @@ def stop_up(process: subprocess.Popen) -> None:
 async def run_requests(
     address: str, texts: list[str], ks: list[int], max_new_tokens: int, seed: int
 ) -> list[dict]:
-    from orchestrator.clients.grpc_client import GenerationClient
+    from specdec.client import AsyncClient
     from specdec.generation import GenerationRequest
 
-    client = GenerationClient(address, timeout_s=900)
+    client = AsyncClient(address, timeout_s=900)
     rows = []
     try:
         for i, text in enumerate(texts):

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from orchestrator.clients.grpc_client import GenerationClient
+    from specdec.client import AsyncClient
     from specdec.prompts import prompt_ids
     from specdec.runtime.loading import load_model
 
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return await specdec_run(client, ids, args.max_new_tokens, config, args.tuned_k)
 
         async def drive() -> None:
-            client = GenerationClient(address, timeout_s=900)
+            client = AsyncClient(address, timeout_s=900)
             try:
                 say("warm-up round")
                 for category in CATEGORIES:

@@ -236,9 +236,9 @@ class SpecdecConnection:
     """One gRPC channel to the orchestrator; GenerateStream, no EOS stop, server defaults otherwise."""
 
     def __init__(self, address: str, sampling: Sampling, timeout_s: float, tag: str) -> None:
-        from orchestrator.clients.grpc_client import GenerationClient
+        from specdec.client import AsyncClient
 
-        self.client = GenerationClient(address, timeout_s=timeout_s)
+        self.client = AsyncClient(address, timeout_s=timeout_s)
         self.sampling = sampling
         self.tag = tag
 

@@ -89,6 +89,12 @@ class OrchestratorConfig(BaseSettings):
     max_stop_strings: int = Field(16, ge=0)
     max_stop_chars: int = Field(256, ge=1)
     max_stop_token_ids: int = Field(256, ge=0)
+    # A chat (GenerationRequest.messages): at most this many turns; their contents count against
+    # max_prompt_bytes together, as one prompt text would.
+    max_chat_messages: int = Field(1024, ge=1)
+    # A Jinja chat template (the text of --chat-template FILE) used instead of the target
+    # tokenizer's own; None: the tokenizer's (a model without one refuses chats).
+    chat_template: str | None = None
 
     # Admission: at most this many requests run at once (each holds a KV session in both engines);
     # later ones wait in arrival order for a slot, up to queue_timeout_s, then fail with Overloaded

@@ -1,15 +1,24 @@
 """Prometheus metrics of the orchestrator loop and of the engine services (prometheus-client).
 
-Orchestrator (OrchestratorMetrics, a LoopObserver: orchestrator.speculation calls it):
-  specdec_requests_total{method,outcome}            finished runs; outcome = finish reason | error | abandoned
-  specdec_active_requests{method}                   runs in progress
-  specdec_request_seconds{method}                   histogram of run wall time
+Orchestrator (OrchestratorMetrics, a LoopObserver: orchestrator.speculation calls it). `model` is the
+served model name (OrchestratorMetrics(model=...) or set_model(...), read at each observation):
+  specdec_requests_total{model,method,outcome}      finished runs; outcome = finish reason | error | abandoned
+  specdec_active_requests{model,method}             runs in progress
+  specdec_request_seconds{model,method}             histogram of run wall time
+  specdec_time_to_first_token_seconds{model,method} histogram: run start → end of the iteration that
+                                                    emitted the first token (fresh runs only)
+  specdec_inter_token_latency_seconds{model,method} histogram, one observation per output token after
+                                                    the first: an iteration emitting n tokens g seconds
+                                                    after the previous emission observes g/n n times
+                                                    (the first iteration's extra tokens observe 0)
+  specdec_prompt_tokens_total{model}                prompt tokens of the runs started (not resumed ones)
+  specdec_generation_tokens_total{model}            tokens that reached the output
   specdec_iterations_total{method,drafted}          iterations; method = what ran ("autoregressive"
                                                     for target-only steps), drafted = true | false
   specdec_fallback_iterations_total                 target-only because the drafter was down
-  specdec_drafted_tokens_total{method}              draft tokens the verifier checked
-  specdec_accepted_tokens_total{method}             of those, accepted
-  specdec_emitted_tokens_total{method}              tokens that reached the output (→ tokens/s)
+  specdec_drafted_tokens_total{model,method}        draft tokens the verifier checked
+  specdec_accepted_tokens_total{model,method}       of those, accepted
+  specdec_emitted_tokens_total{model,method}        tokens that reached the output (→ tokens/s)
   specdec_position_drafted_total{method,position}   iterations whose draft reached depth position+1
   specdec_position_accepted_total{method,position}  … and whose accepted path did (acceptance by
                                                     position = accepted / drafted)
@@ -28,6 +37,15 @@ Orchestrator (OrchestratorMetrics, a LoopObserver: orchestrator.speculation call
   specdec_dependency_up{dependency}                 verifier / drafter / store answering and compatible
   specdec_serving                                   1 while gRPC health says SERVING (orchestrator.health)
   specdec_drafter_timeouts_total                    drafter calls abandoned after their deadline
+vLLM-compatible spec-decode counters (same names, label model_name, as vLLM exposes them; mapping and
+differences in docs/observability.md), all counting iterations that verified at least one draft token:
+  vllm:spec_decode_num_drafts_total{model_name}           such iterations (= specdec_iterations_total
+                                                          {drafted="true"})
+  vllm:spec_decode_num_draft_tokens_total{model_name}     = specdec_drafted_tokens_total
+  vllm:spec_decode_num_accepted_tokens_total{model_name}  = specdec_accepted_tokens_total
+  vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name,position}
+                                                          = specdec_position_accepted_total (a position
+                                                          shows once a draft reached that depth)
 Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label role = drafter | verifier):
   specdec_engine_calls_total{role,rpc,outcome}      Draft / Lookahead / Score / Verify calls; outcome ok |
                                                     session_gone | invalid | overloaded | cancelled | error
@@ -75,6 +93,13 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                    60.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# Time to first token: a prefill plus one iteration, from milliseconds (tiny models) to minutes (long
+# prompts on CPU). Inter-token latency: an iteration's time shared by its tokens (0: same iteration).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+                40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.0, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.5, 0.75, 1.0, 2.5, 5.0)
+DEFAULT_MODEL = "default"
 
 
 def new_registry(process: bool = True) -> CollectorRegistry:
@@ -105,24 +130,45 @@ def _makers(registry: CollectorRegistry) -> tuple[Any, Any, Any]:
 
 
 class OrchestratorMetrics:
-    """LoopObserver recording requests and iterations (pass as Orchestrator(observer=...))."""
+    """LoopObserver recording requests and iterations (pass as Orchestrator(observer=...)).
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    model: the served model name, the `model` label of the request and token metrics and the
+    `model_name` label of the vLLM-compatible counters. The CLI may learn it only once the
+    orchestrator has met its verifier: set_model() then applies to every later observation.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model: str = DEFAULT_MODEL) -> None:
         self.registry = registry
+        self.model = _model_name(model)
         counter, gauge, histogram = _makers(registry)
         self.requests = counter("specdec_requests", "Request runs finished, by method and outcome (finish "
-                                "reason, error or abandoned).", "method", "outcome")
-        self.active_requests = gauge("specdec_active_requests", "Request runs in progress.", "method")
-        self.request_seconds = histogram("specdec_request_seconds", "Wall time of a request run.", "method",
-                                         buckets=REQUEST_BUCKETS)
+                                "reason, error or abandoned).", "model", "method", "outcome")
+        self.active_requests = gauge("specdec_active_requests", "Request runs in progress.", "model",
+                                     "method")
+        self.request_seconds = histogram("specdec_request_seconds", "Wall time of a request run.", "model",
+                                         "method", buckets=REQUEST_BUCKETS)
+        self.ttft = histogram("specdec_time_to_first_token_seconds", "Time from the start of a request run "
+                              "to the end of the iteration that emitted its first token (runs that resume "
+                              "a request with tokens are not counted).", "model", "method",
+                              buckets=TTFT_BUCKETS)
+        self.itl = histogram("specdec_inter_token_latency_seconds", "Per output token after the first: the "
+                             "time since the previous emission shared by the tokens an iteration emitted "
+                             "(g/n for each of n tokens; 0 for the first iteration's extra tokens).",
+                             "model", "method", buckets=ITL_BUCKETS)
+        self.prompt_tokens = counter("specdec_prompt_tokens", "Prompt tokens (target tokenizer) of the "
+                                     "request runs started (a resumed run does not count them again).",
+                                     "model")
+        self.generation_tokens = counter("specdec_generation_tokens", "Generated tokens that reached the "
+                                         "output.", "model")
         self.iterations = counter("specdec_iterations", "Speculation iterations, by the method that ran and "
                                   "whether a draft was verified.", "method", "drafted")
         self.fallback_iterations = counter("specdec_fallback_iterations", "Target-only iterations run "
                                            "because the drafter was unavailable.")
         self.drafted_tokens = counter("specdec_drafted_tokens", "Draft tokens checked by the verifier.",
+                                      "model", "method")
+        self.accepted_tokens = counter("specdec_accepted_tokens", "Draft tokens accepted.", "model", "method")
+        self.emitted_tokens = counter("specdec_emitted_tokens", "Tokens that reached the output.", "model",
                                       "method")
-        self.accepted_tokens = counter("specdec_accepted_tokens", "Draft tokens accepted.", "method")
-        self.emitted_tokens = counter("specdec_emitted_tokens", "Tokens that reached the output.", "method")
         self.position_drafted = counter("specdec_position_drafted", "Iterations whose draft reached depth "
                                         "position+1.", "method", "position")
         self.position_accepted = counter("specdec_position_accepted", "Iterations whose accepted path "
@@ -140,6 +186,17 @@ class OrchestratorMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.overlap_ratio = histogram("specdec_iteration_overlap_ratio", "Per iteration: overlap / verifier "
                                        "busy time.", "method", buckets=RATIO_BUCKETS)
+        # vLLM's spec-decode counters under vLLM's names and label (dashboards built for vLLM work as they
+        # are); prometheus-client adds the _total vLLM's exposition shows. Mapping: docs/observability.md.
+        self.vllm_drafts = counter("vllm:spec_decode_num_drafts", "Iterations that verified at least one "
+                                   "draft token (vLLM: number of spec decoding drafts).", "model_name")
+        self.vllm_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                         "model_name")
+        self.vllm_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                            "model_name")
+        self.vllm_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position (depth along the accepted "
+                                             "path).", "model_name", "position")
         self.admission = _StatsCollector(_ADMISSION_STATS)
         registry.register(self.admission)
         self.dependencies = _StatsCollector(_DEPENDENCY_STATS, label="dependency")
@@ -158,12 +215,19 @@ class OrchestratorMetrics:
             self.dependencies.add((name,), lambda name=name: _dependency_up(status(), name))
         self.health.add((), lambda: _health_values(status()))
 
+    def set_model(self, name: str) -> None:
+        """The served model name for every observation from now on (runs in progress included)."""
+        self.model = _model_name(name)
+
     # LoopObserver
     def request_started(self, request_id: str, epoch: Callable[[float], float],
                         attributes: Mapping[str, Any]) -> _RequestMetrics:
-        method = str(attributes.get("method", ""))
-        self.active_requests.labels(method).inc()
-        return _RequestMetrics(self, method)
+        method, model = str(attributes.get("method", "")), self.model
+        self.child(self.active_requests, model, method).inc()
+        resumed = int(attributes.get("resumed_tokens", 0) or 0)
+        if not resumed:
+            self.child(self.prompt_tokens, model).inc(max(0, int(attributes.get("prompt_tokens", 0) or 0)))
+        return _RequestMetrics(self, method, model, epoch(time.perf_counter()), resumed=resumed > 0)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """metric.labels(*labels), cached: labels() takes a lock and builds a key on every call."""
@@ -174,13 +238,14 @@ class OrchestratorMetrics:
         return found
 
     def record_iteration(self, record: IterationRecord, depth: int) -> None:
-        method, child = record.method, self.child
+        method, child, model = record.method, self.child, self.model
         draft_s = [e - s for s, e in record.draft_intervals]
         verify_s = [e - s for s, e in record.verify_intervals]
         child(self.iterations, method, "true" if record.drafted else "false").inc()
         if record.fallback:
             self.fallback_iterations.inc()
-        child(self.emitted_tokens, method).inc(len(record.emitted))
+        child(self.emitted_tokens, model, method).inc(len(record.emitted))
+        child(self.generation_tokens, model).inc(len(record.emitted))
         child(self.iteration_seconds, method).observe(max(0.0, record.end - record.start))
         for seconds in draft_s:
             child(self.draft_call_seconds, method).observe(seconds)
@@ -193,38 +258,77 @@ class OrchestratorMetrics:
         if verify_total > 0:
             child(self.overlap_ratio, method).observe(min(1.0, record.overlap_seconds / verify_total))
         if record.drafted:
-            child(self.drafted_tokens, method).inc(record.num_drafted)
-            child(self.accepted_tokens, method).inc(record.accepted)
+            accepted_depth = min(record.accepted, depth)
+            child(self.drafted_tokens, model, method).inc(record.num_drafted)
+            child(self.accepted_tokens, model, method).inc(record.accepted)
+            child(self.vllm_drafts, model).inc()
+            child(self.vllm_draft_tokens, model).inc(record.num_drafted)
+            child(self.vllm_accepted_tokens, model).inc(record.accepted)
             for position in range(depth):
                 child(self.position_drafted, method, str(position)).inc()
-            for position in range(min(record.accepted, depth)):
-                child(self.position_accepted, method, str(position)).inc()
+                per_pos = child(self.vllm_accepted_per_pos, model, str(position))  # 0 until accepted there
+                if position < accepted_depth:
+                    child(self.position_accepted, method, str(position)).inc()
+                    per_pos.inc()
+
+
+def _model_name(name: str) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model: the served model name must be a non-empty string, got {name!r}")
+    return name.strip()
 
 
 class _RequestMetrics:
-    def __init__(self, owner: OrchestratorMetrics, method: str) -> None:
+    """One run: its start, and the instant of its last emission (for TTFT and inter-token latency).
+
+    Times are the loop's epoch seconds (IterationRecord.end's scale). A run that resumes a request
+    with tokens has no first token of its own: no TTFT, and its first gap counts from the run's start.
+    """
+
+    def __init__(self, owner: OrchestratorMetrics, method: str, model: str, start_epoch: float,
+                 resumed: bool = False) -> None:
         self.owner = owner
         self.method = method
+        self.model = model  # at the start: the active gauge goes down under the label it went up with
         self.started = time.perf_counter()
+        self.last_emission: float | None = start_epoch if resumed else None
+        self.start_epoch = start_epoch
 
     @contextmanager
     def iteration(self, index: int, start: float) -> Iterator[_IterationMetrics]:
-        yield _IterationMetrics(self.owner)
+        yield _IterationMetrics(self.owner, self)
+
+    def emitted(self, record: IterationRecord) -> None:
+        """TTFT and inter-token latency of the tokens this iteration emitted."""
+        count = len(record.emitted)
+        if count == 0:
+            return
+        owner, model = self.owner, self.owner.model
+        itl = owner.child(owner.itl, model, self.method)
+        if self.last_emission is None:  # the first token: the others came with it
+            owner.child(owner.ttft, model, self.method).observe(max(0.0, record.end - self.start_epoch))
+            gap, count = 0.0, count - 1
+        else:
+            gap = max(0.0, record.end - self.last_emission) / count
+        for _ in range(count):
+            itl.observe(gap)
+        self.last_emission = record.end
 
     def finished(self, result: GenerationResult | None, error: BaseException | None) -> None:
-        owner = self.owner
-        owner.active_requests.labels(self.method).dec()
+        owner, model = self.owner, self.owner.model
+        owner.child(owner.active_requests, self.model, self.method).dec()
         if error is not None:
             outcome = "error"
         else:
             outcome = result.finish_reason if result is not None else "abandoned"
-        owner.requests.labels(self.method, outcome).inc()
-        owner.request_seconds.labels(self.method).observe(time.perf_counter() - self.started)
+        owner.requests.labels(model, self.method, outcome).inc()
+        owner.child(owner.request_seconds, model, self.method).observe(time.perf_counter() - self.started)
 
 
 class _IterationMetrics:
-    def __init__(self, owner: OrchestratorMetrics) -> None:
+    def __init__(self, owner: OrchestratorMetrics, request: _RequestMetrics) -> None:
         self.owner = owner
+        self.request = request
 
     def call_started(self, kind: str, op: str, start: float) -> None:
         return None
@@ -234,6 +338,7 @@ class _IterationMetrics:
 
     def finished(self, record: IterationRecord, depth: int) -> None:
         self.owner.record_iteration(record, depth)
+        self.request.emitted(record)
 
 
 # ============================================================================ engines

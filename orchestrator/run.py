@@ -69,6 +69,7 @@ class Run:
     adaptive: bool = False  # k is re-picked every iteration (orchestrator.adaptation)
     draft_length: DraftLength | None = None  # the adaptive request's chooser (set on its first iteration)
     owner: str = ANONYMOUS  # the identity the request's record is bound to (RequestRecord.owner)
+    chat: bool = False  # the prompt came from a chat template (GenerationRequest.messages)
 
     @property
     def committed(self) -> list[int]:
@@ -99,6 +100,7 @@ class Run:
             "bonus_guesses": self.bonus_guesses,
             "rejection_guesses": self.rejection_guesses,
             "adaptive": self.adaptive,
+            "chat": self.chat,
         }
 
     def to_record(self, status: str, error: str | None = None) -> RequestRecord:
@@ -142,6 +144,7 @@ class Run:
             bonus_guesses=p.get("bonus_guesses", 1),  # runs stored before guesses existed had one
             rejection_guesses=int(p.get("rejection_guesses", 0)),
             adaptive=bool(p.get("adaptive", False)),
+            chat=bool(p.get("chat", False)),
             owner=record.owner,
         )
 
@@ -156,6 +159,7 @@ class Run:
             stats=self.stats,
             iterations=list(self.iterations),
             started_at=self.epoch0,
+            prompt_tokens=len(self.prompt_ids),
         )
 
 
@@ -231,6 +235,8 @@ def _check_prompt_size(request: GenerationRequest, config: OrchestratorConfig, t
     (the text is encoded only when its characters alone cannot tell)."""
     if request.prompt_ids is not None:
         _check_prompt_tokens(len(request.prompt_ids), target)
+    if request.messages is not None:
+        _check_chat(request, config)
     text, limit = request.prompt, config.max_prompt_bytes
     if not isinstance(text, str) or len(text) * 4 <= limit:  # at most 4 UTF-8 bytes a character
         return
@@ -239,6 +245,26 @@ def _check_prompt_size(request: GenerationRequest, config: OrchestratorConfig, t
     if size > limit:
         raise InvalidRequest(f"prompt: {'' if exact else 'at least '}{size} UTF-8 bytes; at most {limit} "
                              "are allowed (max_prompt_bytes)")
+
+
+def _check_chat(request: GenerationRequest, config: OrchestratorConfig) -> None:
+    """A chat is the only prompt, within max_chat_messages turns of string contents that together
+    stay within max_prompt_bytes (the roles are checked where the template is: the verifier)."""
+    messages = request.messages or []
+    if request.prompt is not None or request.prompt_ids is not None:
+        raise InvalidRequest("messages: give a chat, prompt text or prompt_ids, only one of them")
+    if not messages:
+        raise InvalidRequest("messages: the chat is empty")
+    _check_count("messages", messages, config.max_chat_messages, "messages")
+    size = 0
+    for index, message in enumerate(messages):
+        if not isinstance(getattr(message, "role", None), str) or not isinstance(
+                getattr(message, "content", None), str):
+            raise InvalidRequest(f"messages[{index}]: a message needs a string role and a string content")
+        size += len(message.content)  # characters: a lower bound of the bytes, exact for ASCII
+        if size > config.max_prompt_bytes:
+            raise InvalidRequest(f"messages: more than {config.max_prompt_bytes} characters in all; at most "
+                                 f"{config.max_prompt_bytes} UTF-8 bytes are allowed (max_prompt_bytes)")
 
 
 def _check_request_id(request_id: str | None, limit: int) -> None:
@@ -285,6 +311,7 @@ def new_run(
         rejection_guesses=_pick(request.pipeline_rejection_guesses, config.pipeline_rejection_guesses),
         adaptive=(config.adaptive_k and request.k is None and request.seed is None
                   and request.tree_budget is None and adaptable(method, config)),
+        chat=bool(request.messages),
     )
 
 

@@ -278,6 +278,10 @@ class Orchestrator:
             raise InvalidRequest("prompt: give either prompt text or prompt_ids, not both")
         if request.prompt_ids:
             return [int(t) for t in request.prompt_ids]
+        if request.messages:  # checked (check_request): the only prompt, within the size limits
+            ids = await self.verifier.apply_chat_template(list(request.messages), self.config.chat_template)
+            if ids:
+                return list(ids)
         if request.prompt:  # its size was checked first (check_request: max_prompt_bytes)
             try:
                 ids = await self.verifier.tokenize(request.prompt)
@@ -712,7 +716,8 @@ class Orchestrator:
                 "method": run.method, "k": run.k, "a": run.a, "tree_budget": run.tree_budget,
                 "max_new_tokens": run.max_new_tokens, "prompt_tokens": len(run.prompt_ids),
                 "resumed_tokens": len(run.generated), "seed": run.seed, "session_id": run.session_id,
-                "temperature": run.sampling.temperature,
+                "temperature": run.sampling.temperature, "top_p": run.sampling.top_p,
+                "top_k": run.sampling.top_k, "chat": run.chat,
             })
         except Exception:  # observability never fails a request
             log.exception("observer failed at the start of request %s", run.request_id)

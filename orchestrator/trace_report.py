@@ -1,7 +1,8 @@
 """Turn the spans of a run into a timeline a person can look at, and into Chrome/Perfetto JSON.
 
 Input: spans in the JSON-lines schema of orchestrator.tracing (a `--trace-file`, or what
-`specdec trace-collect` received). Output:
+`specdec trace-collect` received), or an OpenTelemetry Collector file-exporter file (OTLP/JSON);
+load_spans (orchestrator.span_files) reads either. Output:
 - a self-contained HTML page (inline CSS and SVG, no script, no network): summary figures,
   per request a Gantt-style timeline of drafter vs verifier calls per iteration (engine
   forward passes inside them when the services' spans are there, overlap marked), accepted

@@ -1,7 +1,11 @@
 """OpenTelemetry tracing of requests, iterations and service calls (off unless configured).
 
 What is traced (span names, attributes in `specdec.*`):
-  specdec.request      one per run of a request (orchestrator); method, k, a, …, final statistics
+  specdec.request      one per run of a request (orchestrator); method, k, a, …, final statistics,
+                       and the OpenTelemetry GenAI semantic-convention attributes (gen_ai.*, see
+                       genai_request_attributes). The span keeps its name rather than semconv's
+                       "{gen_ai.operation.name} {gen_ai.request.model}": trace-report, the tests
+                       and saved traces find requests by it.
   specdec.iteration    one per speculation iteration, child of the request: iteration index,
                        method, drafted, k, heads, accepted, emitted, a, overlap_seconds, …
   specdec.draft        every drafter call of the iteration, with its real start/end
@@ -53,6 +57,11 @@ CALL_SPANS = {"draft": DRAFT_SPAN, "verify": VERIFY_SPAN}
 UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                "grpc.reflection.v1.ServerReflection"})
 UNTRACED_METHODS = frozenset({"Decode", "Tokenize"})
+# OpenTelemetry GenAI semantic conventions: gen_ai.provider.name is the current name of what older
+# conventions (and backends built on them) call gen_ai.system; both are set.
+GENAI_PROVIDER = "specdec"
+DEFAULT_MODEL = "default"
+OPENAI_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 # ============================================================================ observer protocols
@@ -174,6 +183,7 @@ class Tracing:
 
     def __post_init__(self) -> None:
         self.tracer = self.provider.get_tracer(TRACER_NAME)
+        self._loop_tracer = LoopTracer(self.tracer)
 
     def server_interceptors(self) -> list[Any]:
         """grpc.aio server interceptors: continue the caller's trace, one SERVER span per RPC."""
@@ -188,7 +198,12 @@ class Tracing:
         return list(aio_client_interceptors(tracer_provider=self.provider, filter_=_traced_rpc_filter()))
 
     def loop_observer(self) -> LoopTracer:
-        return LoopTracer(self.tracer)
+        """The loop's observer (one per Tracing, so set_model reaches it whenever it was taken)."""
+        return self._loop_tracer
+
+    def set_model(self, name: str) -> None:
+        """The served model name (gen_ai.request.model) of the request spans started from now on."""
+        self._loop_tracer.set_model(name)
 
     def service_observer(self, role: str) -> EngineSpans:
         return EngineSpans(self.tracer, role)
@@ -419,6 +434,34 @@ def _set(span: Any, attributes: Mapping[str, Any]) -> None:
     span.set_attributes({k: v for k, v in attributes.items() if v is not None})
 
 
+def openai_finish_reason(reason: str) -> str:
+    """The OpenAI spelling of a finish reason: eos and stop strings → stop, length → length."""
+    return OPENAI_FINISH_REASONS.get(reason, reason)
+
+
+def genai_request_attributes(request_id: str, model: str, attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """GenAI semantic-convention attributes known when a run starts (from the loop's attributes).
+
+    A chat (attributes["chat"] true) is operation "chat", anything else "text_completion".
+    top_p / top_k appear when the loop passes them.
+    """
+    out = {
+        "gen_ai.operation.name": "chat" if attributes.get("chat") else "text_completion",
+        "gen_ai.provider.name": GENAI_PROVIDER,
+        "gen_ai.system": GENAI_PROVIDER,
+        "gen_ai.request.model": model,
+        "gen_ai.response.model": model,
+        "gen_ai.response.id": request_id,
+        "gen_ai.request.max_tokens": attributes.get("max_new_tokens"),
+        "gen_ai.request.temperature": attributes.get("temperature"),
+        "gen_ai.request.top_p": attributes.get("top_p"),
+        "gen_ai.request.top_k": attributes.get("top_k"),
+        "gen_ai.request.seed": attributes.get("seed"),
+        "gen_ai.usage.input_tokens": attributes.get("prompt_tokens"),
+    }
+    return {k: v for k, v in out.items() if isinstance(v, (str, bool, int, float))}
+
+
 class LoopTracer:
     """LoopObserver that makes the request / iteration / call spans of the orchestrator loop.
 
@@ -431,15 +474,24 @@ class LoopTracer:
     (the IterationRecord's instants), not at the slightly later moments the hooks run.
     """
 
-    def __init__(self, tracer: Any) -> None:
+    def __init__(self, tracer: Any, model: str = DEFAULT_MODEL) -> None:
         self.tracer = tracer
+        self.model = DEFAULT_MODEL
+        self.set_model(model)
+
+    def set_model(self, name: str) -> None:
+        """The served model name (gen_ai.request.model) of the request spans started from now on."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"model: the served model name must be a non-empty string, got {name!r}")
+        self.model = name.strip()
 
     def request_started(self, request_id: str, epoch: Callable[[float], float],
                         attributes: Mapping[str, Any]) -> _RequestSpan:
         span = self.tracer.start_span(REQUEST_SPAN, kind=SpanKind.INTERNAL)
         _set(span, {"specdec.request_id": request_id,
-                    **{f"specdec.{k}": _attr(v) for k, v in attributes.items()}})
-        return _RequestSpan(self.tracer, span, epoch)
+                    **{f"specdec.{k}": _attr(v) for k, v in attributes.items()},
+                    **genai_request_attributes(request_id, self.model, attributes)})
+        return _RequestSpan(self.tracer, span, epoch, int(attributes.get("resumed_tokens", 0) or 0))
 
 
 def _attr(value: Any) -> Any:
@@ -456,18 +508,20 @@ def _error_status(span: Any, error: BaseException) -> None:
 
 
 class _RequestSpan:
-    def __init__(self, tracer: Any, span: Any, epoch: Callable[[float], float]) -> None:
+    def __init__(self, tracer: Any, span: Any, epoch: Callable[[float], float],
+                 output_tokens: int = 0) -> None:
         self.tracer = tracer
         self.span = span
         self.epoch = epoch
         self.context = otel_trace.set_span_in_context(span)
+        self.output_tokens = output_tokens  # the request's tokens so far (a resumed run starts with some)
 
     @contextmanager
     def iteration(self, index: int, start: float) -> Iterator[_IterationSpan]:
         span = self.tracer.start_span(ITERATION_SPAN, context=self.context, kind=SpanKind.INTERNAL,
                                       attributes={"specdec.iteration": index},
                                       start_time=_ns(self.epoch(start)))
-        probe = _IterationSpan(self.tracer, span, self.epoch)
+        probe = _IterationSpan(self.tracer, span, self.epoch, self)
         try:
             with otel_trace.use_span(span, end_on_exit=False, record_exception=False,
                                      set_status_on_exception=False):
@@ -495,7 +549,11 @@ class _RequestSpan:
                 "specdec.verify_seconds": stats.verify_seconds,
                 "specdec.overlap_seconds": stats.overlap_seconds,
                 "specdec.fallback_iterations": stats.fallback_iterations,
+                "gen_ai.response.finish_reasons": [openai_finish_reason(result.finish_reason)],
+                "gen_ai.usage.input_tokens": result.prompt_tokens,
             })
+            self.output_tokens = len(result.token_ids)
+        span.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
         if error is not None:
             _error_status(span, error)
         elif result is None:
@@ -508,10 +566,12 @@ def _ns(epoch_seconds: float) -> int:
 
 
 class _IterationSpan:
-    def __init__(self, tracer: Any, span: Any, epoch: Callable[[float], float]) -> None:
+    def __init__(self, tracer: Any, span: Any, epoch: Callable[[float], float],
+                 request: _RequestSpan) -> None:
         self.tracer = tracer
         self.span = span
         self.epoch = epoch
+        self.request = request
         self.end_ns: int | None = None
 
     def call_started(self, kind: str, op: str, start: float) -> tuple[Any, Any]:
@@ -551,6 +611,7 @@ class _IterationSpan:
             "specdec.overlap_share": record.overlap_seconds / verify_s if verify_s > 0 else 0.0,
         })
         self.end_ns = _ns(record.end) if record.end else None
+        self.request.output_tokens += len(record.emitted)
 
 
 # ============================================================================ the services' spans
@@ -648,5 +709,5 @@ def _request_attributes(request: Any) -> dict[str, Any]:
 __all__ = [
     "LoopObserver", "RequestProbe", "IterationProbe", "ServiceObserver", "combine_observers",
     "Tracing", "configure_tracing", "otlp_settings", "JsonLinesSpanExporter", "span_to_dict", "read_spans",
-    "LoopTracer", "EngineSpans",
+    "LoopTracer", "EngineSpans", "genai_request_attributes", "openai_finish_reason",
 ]

@@ -8,11 +8,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One turn of a chat; the target tokenizer's chat template turns a list of them into a prompt."""
+
+    role: str  # one of CHAT_ROLES
+    content: str
 
 
 @dataclass
 class GenerationRequest:
+    """What to generate. The prompt is exactly one of: text, token ids, or a chat (`messages`)."""
+
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     max_new_tokens: int = 64
@@ -41,6 +53,9 @@ class GenerationRequest:
     # (bonus guesses: automatic by block length, see OrchestratorConfig).
     pipeline_bonus_guesses: int | None = None
     pipeline_rejection_guesses: int | None = None
+    # A chat instead of prompt / prompt_ids: rendered by the chat template, ending with the
+    # assistant's turn (add_generation_prompt), into the prompt ids.
+    messages: list[ChatMessage] | None = None
 
 
 @dataclass
@@ -82,6 +97,7 @@ class GenerationResult:
     stats: GenerationStats
     iterations: list[IterationRecord] = field(default_factory=list)  # the request's timeline
     started_at: float = 0.0  # epoch seconds when the (last) run of the request began
+    prompt_tokens: int = 0  # the prompt's length in target tokens
 
 
 @dataclass

@@ -41,6 +41,7 @@ def _fake_tree(root: Path, core_imports: str) -> None:
         "specdec": "",
         "specdec/cli": "import orchestrator\n",
         "specdec/rpc": "import specdec.methods\n",
+        "specdec/client": "import specdec.rpc\n",
         "orchestrator": "import drafter_service, verifier_service\n",
         "drafter_service": "import specdec.rpc\n",
         "verifier_service": "import specdec.rpc\n",
@@ -66,6 +67,19 @@ def test_contracts_catch_a_core_module_importing_upwards(tmp_path: Path, violati
     _fake_tree(tmp_path, violation)
     result = _lint_imports(tmp_path, tmp_path)
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout[-2000:]
+
+
+def test_contracts_catch_the_light_client_importing_numpy(tmp_path: Path) -> None:
+    """A negative control for the light client's contract: torch / numpy through any chain breaks it."""
+    _fake_tree(tmp_path, "")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    (tmp_path / "specdec" / "client" / "__init__.py").write_text("import specdec.methods\n")
+    (tmp_path / "specdec" / "methods.py").write_text("import numpy\n")
+    result = _lint_imports(tmp_path, tmp_path)
+    assert result.returncode != 0, result.stdout[-2000:]
+    broken = "The light client imports no torch, transformers or numpy BROKEN"
+    assert broken in result.stdout, result.stdout[-2000:]
 
 
 def test_core_imports_no_io_frameworks() -> None:

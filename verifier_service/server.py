@@ -77,6 +77,15 @@ class VerifierServicer(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer
         return verifier_pb2.TokenizeResponse(token_ids=[int(i) for i in ids])
 
     @guarded
+    async def ApplyChatTemplate(self, request: verifier_pb2.ChatTemplateRequest,
+                                context) -> verifier_pb2.TokenizeResponse:
+        check_counts(self.engine, "messages", len(request.messages))
+        messages = convert.chat_messages_from_proto(request.messages)
+        template = request.chat_template if request.HasField("chat_template") else None
+        ids = await run_blocking(self.text_executor, self.engine.apply_chat_template, messages, template)
+        return verifier_pb2.TokenizeResponse(token_ids=[int(i) for i in ids])
+
+    @guarded
     async def Decode(self, request: verifier_pb2.DecodeRequest, context) -> verifier_pb2.DecodeResponse:
         check_counts(self.engine, "token_ids", len(request.token_ids))
         text = await run_blocking(self.text_executor, self.engine.decode, list(request.token_ids))

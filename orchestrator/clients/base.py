@@ -20,6 +20,7 @@ from specdec.engine.api import (
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.generation import ChatMessage
 
 
 class DrafterClient(Protocol):
@@ -47,6 +48,11 @@ class VerifierClient(Protocol):
 
     async def tokenize(self, text: str) -> list[int]:
         """Prompt text → ids with the target's tokenizer (the orchestrator holds no model files)."""
+        ...
+
+    async def apply_chat_template(self, messages: list[ChatMessage], chat_template: str | None = None,
+                                  ) -> list[int]:
+        """A chat → prompt ids with the target tokenizer's chat template (or `chat_template`)."""
         ...
 
     async def decode(self, token_ids: list[int]) -> str: ...

@@ -21,6 +21,7 @@ from specdec.engine.api import (
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.generation import ChatMessage
 
 
 class _InProcessClient:
@@ -64,6 +65,10 @@ class InProcessVerifierClient(_InProcessClient):
 
     async def tokenize(self, text: str) -> list[int]:
         return await self._call("tokenize", text)
+
+    async def apply_chat_template(self, messages: list[ChatMessage], chat_template: str | None = None,
+                                  ) -> list[int]:
+        return await self._call("apply_chat_template", messages, chat_template)
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._call("decode", token_ids)

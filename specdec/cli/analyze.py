@@ -17,13 +17,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from specdec.cli.commands import SpecdecCommand, SpecdecGroup
 from specdec.cli.common import apply_environment_defaults, err, fail
+from specdec.cli.options import PRECISION_CHOICES, check_device, one_of
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
 DEFAULT_DRAFT, DEFAULT_TARGET = DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 PROMPT_SETS = ("humaneval", "mtbench", "builtin")
 
-analyze_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+analyze_app = typer.Typer(cls=SpecdecGroup, add_completion=False, pretty_exceptions_enable=False)
 
 
 def _console() -> Console:
@@ -59,8 +61,10 @@ TemperatureOpt = Annotated[float, typer.Option("--temperature", help="Sampling t
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1]; 1 = off.")]
 ThreadsOpt = Annotated[int, typer.Option("--threads", help="torch CPU threads per model.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="torch device of both models.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="Weights dtype: float32, bfloat16 or float16.")]
+DeviceOpt = Annotated[str, typer.Option("--device", callback=check_device,
+                                        help="torch device of both models: cpu, cuda, cuda:N or mps.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", callback=one_of(PRECISION_CHOICES), help=(
+    "Weights precision: auto | float32 | bfloat16 | float16 | int8 (as `specdec up --dtype`)."))]
 HomeOpt = Annotated[
     Path | None,
     typer.Option(
@@ -71,7 +75,7 @@ HomeOpt = Annotated[
 ]
 
 
-@analyze_app.command("analyze")
+@analyze_app.command("analyze", cls=SpecdecCommand)
 def analyze(
     draft: DraftOpt = DEFAULT_DRAFT,
     target: TargetOpt = DEFAULT_TARGET,

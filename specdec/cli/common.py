@@ -44,7 +44,7 @@ def describe_error(exc: BaseException) -> str:
     """'CODE: message' for engine and gRPC errors, the same on both transports."""
     import grpc
 
-    from specdec.rpc.grpc_support import RemoteError, status_for
+    from specdec.rpc.status import RemoteError, status_for  # torch-free: server mode imports no torch
 
     if isinstance(exc, RemoteError):
         return f"{exc.code.name}: {exc.details} ({exc.address})"
@@ -92,14 +92,16 @@ def orchestrator_config(default_method: str | None = None, default_k: int | None
                         default_a: float | None = None, store_url: str | None = None,
                         draft_rows: str | None = None, adaptive_k: bool | None = None,
                         max_active_requests: int | None = None, queue_timeout_s: float | None = None,
-                        request_ttl_seconds: int | None = None, max_prompt_bytes: int | None = None):
+                        request_ttl_seconds: int | None = None, max_prompt_bytes: int | None = None,
+                        chat_template: str | None = None):
     """OrchestratorConfig from the environment (SPECDEC_*), overridden by the options given."""
     from orchestrator.config import OrchestratorConfig
 
     given = {"default_method": default_method, "default_k": default_k, "default_a": default_a,
              "store_url": store_url, "draft_rows": draft_rows, "adaptive_k": adaptive_k,
              "max_active_requests": max_active_requests, "queue_timeout_s": queue_timeout_s,
-             "request_ttl_seconds": request_ttl_seconds, "max_prompt_bytes": max_prompt_bytes}
+             "request_ttl_seconds": request_ttl_seconds, "max_prompt_bytes": max_prompt_bytes,
+             "chat_template": chat_template}
     try:
         return OrchestratorConfig(**{key: value for key, value in given.items() if value is not None})
     except ValueError as exc:  # pydantic's ValidationError: one short line per bad field

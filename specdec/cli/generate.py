@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from orchestrator import processes
 from orchestrator.processes import DEFAULT_ORCHESTRATOR_ADDRESS
 from specdec.cli.common import (
     CliError,
@@ -38,13 +37,15 @@ from specdec.cli.options import (
     TlsClientKeyOpt,
     TlsServerNameOpt,
     TokenFileOpt,
+    check_device,
     client_security,
+    one_of,
 )
 from specdec.defaults import AUTO_PRECISION
 from specdec.methods import METHOD_NAMES
 
 if TYPE_CHECKING:
-    from specdec.generation import GenerationRequest  # imports torch: only inside the functions
+    from specdec.generation import GenerationRequest  # light, but not needed for --help
     from specdec.rpc.security import ClientSecurity  # imports grpc
 
 
@@ -97,17 +98,23 @@ def build_request(*, prompt: str | None, prompt_ids: list[int] | None, max_new_t
                   temperature: float, top_k: int, top_p: float, stop: list[str] | None, ignore_eos: bool,
                   seed: int | None, method: str, k: int | None, tree_budget: int | None, a: float | None,
                   pipeline: bool | None, pipeline_max_k: int | None, bonus_guesses: int | None,
-                  rejection_guesses: int | None) -> GenerationRequest:
+                  rejection_guesses: int | None, chat: bool = False,
+                  system: str | None = None) -> GenerationRequest:
     """The request that `generate`'s options describe (one per run; samples vary only its seed).
 
-    None leaves a setting to the orchestrator; --ignore-eos is an empty stop_token_ids list.
+    None leaves a setting to the orchestrator; --ignore-eos is an empty stop_token_ids list; --chat
+    sends the prompt as the user's turn of a chat (after --system's, if given).
     Raises SamplingParamsError (a ValueError) when --temperature / --top-k / --top-p are out of range.
     """
-    from specdec.generation import GenerationRequest
-    from specdec.sampling import SamplingParams
+    from specdec.generation import ChatMessage, GenerationRequest  # torch-free: server mode imports no torch
+    from specdec.sampling_params import SamplingParams
 
+    messages = None
+    if chat:
+        messages = [*([ChatMessage("system", system)] if system else []), ChatMessage("user", prompt or "")]
+        prompt = None
     return GenerationRequest(
-        prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+        messages=messages, prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=list(stop or []), stop_token_ids=[] if ignore_eos else None, seed=seed, method=method, k=k,
         tree_budget=tree_budget, a=a, pipeline=pipeline, pipeline_max_k=pipeline_max_k,
@@ -126,6 +133,11 @@ def generate(
         None,
     prompt_ids: Annotated[str | None, typer.Option(
         "--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.", show_default=False)] = None,
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="Send the prompt as the user's turn of a chat: the target's chat template (or the "
+        "orchestrator's --chat-template) makes the prompt, ending with the assistant's turn.")] = False,
+    system: Annotated[str | None, typer.Option(
+        "--system", help="With --chat: a system message before the user's.", show_default=False)] = None,
     address: Annotated[str, typer.Option(
         "--address", envvar="SPECDEC_ADDRESS", help="Orchestrator to talk to (where `specdec up` listens by "
         "default; env SPECDEC_ADDRESS). Not used with --draft/--target.")] = DEFAULT_ORCHESTRATOR_ADDRESS,
@@ -134,14 +146,16 @@ def generate(
         "needs --target.", show_default=False)] = None,
     target: Annotated[str | None, typer.Option(
         "--target", help="Target model of in-process mode; needs --draft.", show_default=False)] = None,
-    device: Annotated[str, typer.Option("--device", help="In-process mode: torch device of both models.")] =
-        "cpu",
+    device: Annotated[str, typer.Option(
+        "--device", callback=check_device, help="In-process mode: torch device of both models (cpu, cuda, "
+        "cuda:N, mps).")] = "cpu",
     dtype: DtypeOpt = AUTO_PRECISION,
     threads: Annotated[int | None, typer.Option(
         "--threads", help="In-process mode: torch CPU threads. Default: torch's default.",
         show_default=False)] = None,
     method: Annotated[str, typer.Option(
-        "--method", help=f"Verification method: {' | '.join(METHOD_NAMES)}.")] = "token",
+        "--method", callback=one_of(METHOD_NAMES),
+        help=f"Verification method: {' | '.join(METHOD_NAMES)}.")] = "token",
     k: Annotated[int | None, typer.Option(
         "--k", "-k", help="Draft length (token, block, ersd; rd's k_max) or tree budget (gsd-tree). "
         "Default: the orchestrator's (4; 8 nodes for gsd-tree).", show_default=False)] = None,
@@ -203,6 +217,11 @@ def generate(
     runs the same orchestrator code without any server. Text goes to stdout, statistics to stderr.
     """
     prompt, ids = parse_prompt(prompt_text, prompt, prompt_ids)
+    if chat and ids is not None:
+        raise typer.BadParameter("a chat is text: give the prompt as text, not --prompt-ids",
+                                 param_hint="--chat")
+    if system is not None and not chat:
+        raise typer.BadParameter("--system needs --chat", param_hint="--system")
     if (draft is None) != (target is None):
         raise typer.BadParameter("in-process mode needs both --draft and --target", param_hint="--draft")
     if num_samples < 1:
@@ -223,7 +242,7 @@ def generate(
             prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, stop=stop, ignore_eos=ignore_eos, seed=seed, method=method, k=k,
             tree_budget=tree_budget, a=a, pipeline=pipeline, pipeline_max_k=pipeline_max_k,
-            bonus_guesses=bonus_guesses, rejection_guesses=rejection_guesses)
+            bonus_guesses=bonus_guesses, rejection_guesses=rejection_guesses, chat=chat, system=system)
     except ValueError as exc:  # SamplingParamsError: the line the orchestrator would answer with
         err.print(f"[bold red]error:[/] {escape(describe_error(exc))}")
         code = 1
@@ -245,10 +264,10 @@ async def run_samples(request: GenerationRequest, run: GenerateRun) -> int:
             if run.in_process:
                 client = await _inprocess_orchestrator(run, obs.loop_observer)
             else:
-                from orchestrator.clients.grpc_client import GenerationClient
+                from specdec.client import AsyncClient  # the light client: no torch in server mode
 
-                client = GenerationClient(run.address, timeout_s=run.timeout,
-                                          interceptors=obs.client_interceptors, security=run.security)
+                client = AsyncClient(run.address, timeout_s=run.timeout, interceptors=obs.client_interceptors,
+                                     security=run.security)
             for sample in range(run.num_samples):
                 if run.num_samples > 1 and not run.as_json:
                     err.print(f"[bold]── sample {sample + 1}/{run.num_samples}[/]")
@@ -360,8 +379,10 @@ async def _stream_one(client, request, sample: int, as_json: bool):
 
 async def _serving(run: GenerateRun) -> bool:
     """Whether the orchestrator itself answers (tells 'not running' from 'its peer is down')."""
+    from specdec.client import AsyncClient
+
     try:
-        status = await asyncio.to_thread(processes.check_health, run.address, 2.0, "", run.security)
-        return status == "SERVING"
-    except Exception:  # noqa: BLE001 - unreachable
+        async with AsyncClient(run.address, security=run.security) as probe:
+            return await probe.is_serving(2.0)
+    except Exception:  # noqa: BLE001 - a bad address: not serving either
         return False

@@ -25,6 +25,7 @@ import typer
 
 from specdec.cli import observability
 from specdec.cli.analyze import analyze_app
+from specdec.cli.commands import SpecdecCommand, SpecdecGroup
 from specdec.cli.common import apply_environment_defaults
 from specdec.cli.generate import generate
 from specdec.cli.models import models_app
@@ -32,6 +33,7 @@ from specdec.cli.serve import serve_app
 from specdec.cli.up import up
 
 app = typer.Typer(
+    cls=SpecdecGroup,
     name="specdec",
     help="Distributed exact speculative decoding: a draft model and a target model in separate gRPC "
     "services, and an orchestrator whose output is distributed exactly as the target model's own.",
@@ -51,8 +53,8 @@ def _root() -> None:
 app.add_typer(models_app, name="models")
 app.add_typer(serve_app, name="serve")
 app.add_typer(analyze_app)  # specdec analyze
-app.command()(up)
-app.command()(generate)
+app.command(cls=SpecdecCommand)(up)
+app.command(cls=SpecdecCommand)(generate)
 observability.register_commands(app)  # specdec trace-report, trace-collect (listed after up/generate)
 
 

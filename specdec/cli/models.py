@@ -10,14 +10,15 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from specdec.cli.commands import SpecdecCommand, SpecdecGroup
 from specdec.cli.common import err, fail, out
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
-models_app = typer.Typer(help="Install and list the named models (stored under $SPECDEC_HOME, "
-                         "default ~/.cache/specdec).", no_args_is_help=True)
+models_app = typer.Typer(cls=SpecdecGroup, help="Install and list the named models (stored under "
+                         "$SPECDEC_HOME, default ~/.cache/specdec).", no_args_is_help=True)
 
 
-@models_app.command("install")
+@models_app.command("install", cls=SpecdecCommand)
 def models_install(
     names: Annotated[list[str] | None, typer.Argument(
         help=f"Registry names to install. Default: the default pair ({DEFAULT_DRAFT_MODEL} and "
@@ -48,7 +49,7 @@ def models_install(
         raise typer.Exit(1)
 
 
-@models_app.command("list")
+@models_app.command("list", cls=SpecdecCommand)
 def models_list(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per model instead of a table.")] =
         False,

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
+from specdec.cli.commands import SpecdecCommand, SpecdecGroup
 from specdec.cli.common import CliError
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,13 @@ class Observability:
         """Expose the orchestrator's request slots (admitted, queued, rejected) on /metrics."""
         if self._orchestrator_metrics is not None:
             self._orchestrator_metrics.watch_orchestrator(orchestrator)
+
+    def set_model(self, name: str) -> None:
+        """The served model's name on metrics (`model` label) and spans (gen_ai.request.model)."""
+        if self.tracing is not None:
+            self.tracing.set_model(name)
+        if self._orchestrator_metrics is not None:
+            self._orchestrator_metrics.set_model(name)
 
     def watch_engine(self, engine: Any) -> None:
         """Expose engine.stats() (sessions, evictions) on /metrics."""
@@ -187,7 +195,8 @@ class ObservabilityOptions:
 
 def trace_report(
     paths: Annotated[list[Path], typer.Argument(
-        help="JSON-lines span files (from --trace-file or `specdec trace-collect`).", show_default=False)],
+        help="Span files: JSON lines from --trace-file or `specdec trace-collect`, or an OpenTelemetry "
+        "Collector file-exporter file (OTLP/JSON); the format is told line by line.", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="The HTML page to write.")] = Path("timeline.html"),
     chrome: Annotated[Path | None, typer.Option(
         "--chrome", help="Also write Chrome/Perfetto trace-event JSON here (open in ui.perfetto.dev).",
@@ -202,13 +211,17 @@ def trace_report(
     """Turn the spans of a run into a self-contained HTML timeline: draft vs verify per iteration,
     accepted tokens, overlap; optionally Chrome/Perfetto JSON and a screenshot."""
     from orchestrator import trace_report as report
-    from orchestrator.tracing import read_spans
+    from orchestrator.span_files import SpanFileError, load_spans
 
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         typer.echo(f"error: no such file: {', '.join(missing)}", err=True)
         raise typer.Exit(1)
-    spans = read_spans(paths)
+    try:
+        spans = load_spans(paths)
+    except SpanFileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     page = report.render_html(spans, title=title, sources=[p.name for p in paths], max_requests=max_requests)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
@@ -268,12 +281,12 @@ def trace_collect(
 
 def register_commands(app: typer.Typer) -> None:
     """Mount `trace-report` and `trace-collect` on the `specdec` app."""
-    app.command("trace-report")(trace_report)
-    app.command("trace-collect")(trace_collect)
+    app.command("trace-report", cls=SpecdecCommand)(trace_report)
+    app.command("trace-collect", cls=SpecdecCommand)(trace_collect)
 
 
-trace_app = typer.Typer(help="Observability commands (trace-report, trace-collect).", no_args_is_help=True,
-                        add_completion=False, pretty_exceptions_enable=False)
+trace_app = typer.Typer(cls=SpecdecGroup, help="Observability commands (trace-report, trace-collect).",
+                        no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 register_commands(trace_app)
 
 if __name__ == "__main__":  # python -m specdec.cli.observability trace-report …

@@ -9,6 +9,7 @@ in specdec.cli.observability with the rest of that set-up. The transport securit
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -17,6 +18,7 @@ import typer
 from orchestrator import processes
 from specdec.cli.common import fail
 from specdec.defaults import AUTO_PRECISION, PRECISIONS, resolve_precision
+from specdec.methods import METHOD_NAMES
 
 if TYPE_CHECKING:  # grpc is imported only when a command runs
     from specdec.rpc.security import ClientSecurity, ServerSecurity
@@ -24,11 +26,11 @@ if TYPE_CHECKING:  # grpc is imported only when a command runs
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Registry name or path (HF folder or .gguf).")]
 HostOpt = Annotated[str, typer.Option("--host", help="Interface to listen on.")]
 PortOpt = Annotated[int, typer.Option("--port", help="Port to listen on (0 = any free port).")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="torch device of the model (cpu, cuda, mps).")]
 PRECISION_CHOICES = (AUTO_PRECISION, *PRECISIONS)
+_DEVICE = re.compile(r"(cpu|mps|cuda)(:(\d+))?")
 
 
-def _one_of(choices: tuple[str, ...]):
+def one_of(choices: tuple[str, ...]):
     """A parse-time check (a usage error, exit 2, before any model loads) that a value is a choice."""
 
     def check(value: str | None) -> str | None:
@@ -39,7 +41,41 @@ def _one_of(choices: tuple[str, ...]):
     return check
 
 
-DtypeOpt = Annotated[str, typer.Option("--dtype", callback=_one_of(PRECISION_CHOICES), help=(
+def check_device(value: str | None) -> str | None:
+    """A parse-time check of a torch device: its spelling (cpu, cuda, cuda:N, mps), and for an
+    accelerator that torch can see it (torch is imported only then), before any model loads."""
+    if value is None:
+        return None
+    match = _DEVICE.fullmatch(value)
+    if match is None:
+        raise typer.BadParameter(f"{value!r} is not a device: cpu, cuda, cuda:N or mps")
+    kind, index = match.group(1), match.group(3)
+    if kind == "cpu":
+        return value
+    import torch
+
+    if kind == "mps":
+        if not torch.backends.mps.is_available():
+            raise typer.BadParameter("mps: no Apple GPU is available to this torch")
+        return value
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise typer.BadParameter(f"{value}: torch {torch.__version__} ({build}) sees no CUDA device")
+    if index is not None and int(index) >= count:
+        raise typer.BadParameter(f"{value}: torch sees {count} CUDA device(s), numbered from 0")
+    return value
+
+
+DeviceOpt = Annotated[str, typer.Option("--device", callback=check_device,
+                                        help="torch device of the model: cpu, cuda, cuda:N or mps.")]
+DefaultMethodOpt = Annotated[str | None, typer.Option(
+    "--default-method", callback=one_of(METHOD_NAMES), help=(
+        f"Method of requests that name none: {' | '.join(METHOD_NAMES)}. Default: "
+        "$SPECDEC_DEFAULT_METHOD, else token."), show_default=False)]
+
+
+DtypeOpt = Annotated[str, typer.Option("--dtype", callback=one_of(PRECISION_CHOICES), help=(
     "Weights precision: auto | float32 | bfloat16 | float16 | int8. auto: the device's fast "
     "precision (int8 on a CPU, bfloat16 on a CUDA GPU, else float32). int8: every Linear "
     "dynamically quantised to int8 per channel (CPU only; several times faster than float32 on "
@@ -55,7 +91,7 @@ MaxMessageOpt = Annotated[float, typer.Option("--max-message-mb", help="gRPC mes
 # orchestrator.config.DraftRowsMode, spelled out: the CLI starts without pydantic (a test checks they agree).
 DRAFT_ROWS_CHOICES = ("lean", "full")
 DraftRowsOpt = Annotated[str | None, typer.Option(
-    "--draft-rows", callback=_one_of(DRAFT_ROWS_CHOICES), help=(
+    "--draft-rows", callback=one_of(DRAFT_ROWS_CHOICES), help=(
         "How the orchestrator sends the drafter's distributions to the verifier (docs/algorithms.md "
         "§12): lean | full. lean: for token, rd and gsd-tree, each draft token's probability only, and "
         "a whole row of V floats only where the verifier asks for it after a rejection (one more round "
@@ -117,6 +153,18 @@ MaxPromptBytesOpt = Annotated[int | None, typer.Option(
     "--max-prompt-bytes", min=1, help=(
         "Largest prompt text (UTF-8 bytes) a request may send; a larger one gets INVALID_ARGUMENT before "
         "anything tokenizes it. Default: $SPECDEC_MAX_PROMPT_BYTES, else 2 MiB."), show_default=False)]
+HttpPortOpt = Annotated[int | None, typer.Option(
+    "--http-port", min=0, max=65535, help=(
+        "Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/health; docs/http.md) on this port of --host (0 = any free port), with the same TLS and token "
+        "as the gRPC port. Default: off."), show_default=False)]
+ServedModelNameOpt = Annotated[str | None, typer.Option(
+    "--served-model-name", help="The model id of the HTTP API (/v1/models, the `model` of requests and "
+    "responses) and of the metrics' model label. Default: the target model's id.", show_default=False)]
+ChatTemplateOpt = Annotated[Path | None, typer.Option(
+    "--chat-template", exists=True, dir_okay=False, readable=True, help=(
+        "A Jinja chat template file used for chats instead of the target tokenizer's own (a model "
+        "without one refuses chats: 400 / INVALID_ARGUMENT)."), show_default=False)]
 ReadyFileOpt = Annotated[Path | None, typer.Option(
     "--ready-file", help="Once serving, write JSON {address, host, port, pid, ...} to this file.",
     show_default=False)]

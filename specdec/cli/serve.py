@@ -25,6 +25,7 @@ from orchestrator.processes import (
     DEFAULT_VERIFIER_PORT,
     ProcessError,
 )
+from specdec.cli.commands import ServeCommand, SpecdecGroup
 from specdec.cli.common import (
     CliError,
     describe_error,
@@ -53,7 +54,9 @@ from specdec.cli.options import (
     AuthTokenFileOpt,
     BatchingOpt,
     BatchWindowOpt,
+    ChatTemplateOpt,
     CoresOpt,
+    DefaultMethodOpt,
     DeviceOpt,
     DraftRowsOpt,
     DtypeOpt,
@@ -62,6 +65,7 @@ from specdec.cli.options import (
     EngineTlsClientCertOpt,
     EngineTokenFileOpt,
     HostOpt,
+    HttpPortOpt,
     KvCacheOpt,
     LogLevelOpt,
     MaxActiveRequestsOpt,
@@ -74,6 +78,7 @@ from specdec.cli.options import (
     QueueTimeoutOpt,
     ReadyFileOpt,
     RequestTtlOpt,
+    ServedModelNameOpt,
     SessionTtlOpt,
     ThreadsOpt,
     TlsCertOpt,
@@ -89,13 +94,12 @@ from specdec.cli.options import (
     server_security,
 )
 from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
-from specdec.methods import METHOD_NAMES
 from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
 
 MIB = 1024 * 1024
 
-serve_app = typer.Typer(help="Run one service in the foreground (`specdec up` starts all three for you).",
-                        no_args_is_help=True)
+serve_app = typer.Typer(cls=SpecdecGroup, no_args_is_help=True,
+                        help="Run one service in the foreground (`specdec up` starts all three for you).")
 
 
 async def _announce_and_serve(server: Any, bound: int, *, role: str, host: str, serving: str,
@@ -253,10 +257,10 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
     return command
 
 
-serve_drafter = serve_app.command("drafter")(_engine_command(
+serve_drafter = serve_app.command("drafter", cls=ServeCommand)(_engine_command(
     "drafter", DEFAULT_DRAFT_MODEL, DEFAULT_DRAFTER_PORT,
     "Serve the draft model (DrafterService + gRPC health) until Ctrl-C / SIGTERM."))
-serve_verifier = serve_app.command("verifier")(_engine_command(
+serve_verifier = serve_app.command("verifier", cls=ServeCommand)(_engine_command(
     "verifier", DEFAULT_TARGET_MODEL, DEFAULT_VERIFIER_PORT,
     "Serve the target model (VerifierService + gRPC health) until Ctrl-C / SIGTERM."))
 
@@ -264,7 +268,41 @@ serve_verifier = serve_app.command("verifier")(_engine_command(
 # ================================================================================== orchestrator
 
 
-@serve_app.command("orchestrator")
+def read_chat_template(path: Path | None) -> str | None:
+    """The text of --chat-template (checked to exist by the option), or None."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise fail(f"--chat-template {path}: {exc}") from None
+    if not text.strip():
+        raise fail(f"--chat-template {path}: the file is empty")
+    return text
+
+
+def http_url(host: str, port: int, tls: bool) -> str:
+    address = connect_address(host, port)
+    return f"{'https' if tls else 'http'}://{address}"
+
+
+async def start_http_api(orchestrator: Any, host: str, port: int, *, security: Any,
+                         served_model_name: str | None, config: Any) -> Any:
+    """The OpenAI-compatible HTTP API over `orchestrator` (orchestrator.openai_http), with the gRPC
+    port's TLS and tokens; bodies are capped at 4x max_prompt_bytes plus 1 MiB (a chat's JSON)."""
+    from orchestrator.openai_http.app import create_app
+    from orchestrator.openai_http.server import HttpTls, start_http_server
+
+    tls = None
+    if security.tls:
+        tls = HttpTls(str(security.cert), str(security.key),
+                      None if security.client_ca is None else str(security.client_ca),
+                      security.require_client_cert)
+    app = create_app(orchestrator, served_model_name=served_model_name, tokens=security.tokens)
+    return await start_http_server(app, host, port, tls=tls, max_body_bytes=4 * config.max_prompt_bytes + MIB)
+
+
+@serve_app.command("orchestrator", cls=ServeCommand)
 def serve_orchestrator(
     drafter: Annotated[str, typer.Option("--drafter", help="Address of the drafter service.")] =
         f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}",
@@ -273,9 +311,7 @@ def serve_orchestrator(
     host: HostOpt = DEFAULT_HOST,
     port: PortOpt = DEFAULT_ORCHESTRATOR_PORT,
     max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
-    default_method: Annotated[str | None, typer.Option(
-        "--default-method", help=f"Method of requests that name none ({', '.join(METHOD_NAMES)}). "
-        "Default: $SPECDEC_DEFAULT_METHOD, else token.", show_default=False)] = None,
+    default_method: DefaultMethodOpt = None,
     default_k: Annotated[int | None, typer.Option(
         "--default-k", help="Draft length of requests without k. Default: $SPECDEC_DEFAULT_K, else 2.",
         show_default=False)] = None,
@@ -291,6 +327,9 @@ def serve_orchestrator(
     queue_timeout: QueueTimeoutOpt = None,
     request_ttl: RequestTtlOpt = None,
     max_prompt_bytes: MaxPromptBytesOpt = None,
+    http_port: HttpPortOpt = None,
+    served_model_name: ServedModelNameOpt = None,
+    chat_template: ChatTemplateOpt = None,
     peer_timeout: Annotated[float, typer.Option(
         "--peer-timeout", help="Seconds after which a verifier that has not answered since startup is "
         "reported (a warning); the orchestrator listens meanwhile, NOT_SERVING, and keeps waiting.")] = 60.0,
@@ -326,8 +365,11 @@ def serve_orchestrator(
                                       token_file=engine_token_file, token_flag="--engine-token-file")
     try:
         config = orchestrator_config(default_method, default_k, default_a, store_url, draft_rows, adaptive_k,
-                                     max_active_requests, queue_timeout, request_ttl, max_prompt_bytes)
+                                     max_active_requests, queue_timeout, request_ttl, max_prompt_bytes,
+                                     read_chat_template(chat_template))
         check_port_free(host, port, "--port")
+        if http_port:
+            check_port_free(host, http_port, "--http-port")
         observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
         obs = observability.setup("orchestrator")
     except CliError as exc:
@@ -355,7 +397,11 @@ def serve_orchestrator(
             server, bound = await start_orchestrator_server(
                 orchestrator, host, port, max_message_mb=max_message_mb, credentials=front.credentials,
                 interceptors=[*front.interceptors(), *obs.server_interceptors])
+            http = None
             try:
+                if http_port is not None:  # the OpenAI API, at once too: /health says 503 until serving
+                    http = await start_http_api(orchestrator, host, http_port, security=front,
+                                                served_model_name=served_model_name, config=config)
                 waiting_since, warned = time.monotonic(), False
                 while True:
                     try:
@@ -372,15 +418,27 @@ def serve_orchestrator(
                 from specdec.rpc.grpc_support import stop_server
 
                 await stop_server(server, 0.5)
+                if http is not None:
+                    await http.stop(0.5)
                 raise
             draft_id = orchestrator.draft_info.model_id if orchestrator.draft_info else "(drafter down)"
             target_id = orchestrator.target_info.model_id
             info = (orchestrator.draft_info, orchestrator.target_info)
             defaults = describe_defaults(orchestrator.config, *info)
             err.print(f"orchestrator {escape(defaults)}")
-            await _announce_and_serve(server, bound, role="orchestrator", host=host, ready_file=ready_file,
-                                      obs=obs, serving=f"{escape(draft_id)} → {escape(target_id)}",
-                                      drafter=drafter, verifier=verifier, defaults=defaults)
+            obs.set_model(served_model_name or target_id)  # the metrics' model label, the spans' model
+            http_info = {} if http is None else {"http_url": http_url(host, http.port, front.tls)}
+            if http is not None:
+                err.print(f"orchestrator OpenAI-compatible HTTP API on {http_info['http_url']}/v1 (model "
+                          f"{escape(served_model_name or target_id)})")
+            try:
+                await _announce_and_serve(server, bound, role="orchestrator", host=host,
+                                          ready_file=ready_file, obs=obs,
+                                          serving=f"{escape(draft_id)} → {escape(target_id)}",
+                                          drafter=drafter, verifier=verifier, defaults=defaults, **http_info)
+            finally:
+                if http is not None:
+                    await http.stop()
         finally:
             await orchestrator.close()
 

@@ -19,6 +19,7 @@ from orchestrator import processes
 from orchestrator.processes import (
     DEFAULT_DRAFTER_PORT,
     DEFAULT_HOST,
+    DEFAULT_HTTP_PORT,
     DEFAULT_ORCHESTRATOR_ADDRESS,
     DEFAULT_ORCHESTRATOR_PORT,
     DEFAULT_VERIFIER_PORT,
@@ -35,6 +36,8 @@ from specdec.cli.options import (
     AuthTokenFileOpt,
     BatchingOpt,
     BatchWindowOpt,
+    ChatTemplateOpt,
+    DefaultMethodOpt,
     DraftRowsOpt,
     DtypeOpt,
     KvCacheOpt,
@@ -45,6 +48,7 @@ from specdec.cli.options import (
     MaxSessionsOpt,
     QueueTimeoutOpt,
     RequestTtlOpt,
+    ServedModelNameOpt,
     SessionTtlOpt,
     TlsCertOpt,
     TlsClientCaOpt,
@@ -53,6 +57,7 @@ from specdec.cli.options import (
     TlsRequireClientCertOpt,
     TlsServerNameOpt,
     absolute_path,
+    check_device,
     check_port_free,
     client_security,
     parse_cores,
@@ -84,10 +89,11 @@ def up(
         show_default=False)] = None,
     no_pin: Annotated[bool, typer.Option("--no-pin", help="Do not pin drafter and verifier to cores.")] =
         False,
-    drafter_device: Annotated[str, typer.Option("--drafter-device", help="torch device of the draft model.")]
-        = "cpu",
+    drafter_device: Annotated[str, typer.Option(
+        "--drafter-device", callback=check_device, help="torch device of the draft model: cpu, cuda, cuda:N "
+        "or mps.")] = "cpu",
     verifier_device: Annotated[str, typer.Option(
-        "--verifier-device", help="torch device of the target model.")] = "cpu",
+        "--verifier-device", callback=check_device, help="torch device of the target model.")] = "cpu",
     dtype: DtypeOpt = AUTO_PRECISION,
     drafter_threads: Annotated[int | None, typer.Option(
         "--drafter-threads", help="torch threads of the drafter. Default: its number of cores.",
@@ -103,9 +109,7 @@ def up(
     batching: BatchingOpt = True,
     max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
     batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS,
-    default_method: Annotated[str | None, typer.Option(
-        "--default-method", help="Method of requests that name none. Default: token.", show_default=False)]
-        = None,
+    default_method: DefaultMethodOpt = None,
     default_k: Annotated[int | None, typer.Option(
         "--default-k", help="Draft length of requests without k. Default: 2.", show_default=False)] = None,
     store_url: Annotated[str | None, typer.Option(
@@ -117,6 +121,13 @@ def up(
     queue_timeout: QueueTimeoutOpt = None,
     request_ttl: RequestTtlOpt = None,
     max_prompt_bytes: MaxPromptBytesOpt = None,
+    http_port: Annotated[int, typer.Option(
+        "--http-port", min=0, max=65535, help="Port of the orchestrator's OpenAI-compatible HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health; docs/http.md), on --host with "
+        "the same TLS and token as its gRPC port (0 = any free port).")] = DEFAULT_HTTP_PORT,
+    no_http: Annotated[bool, typer.Option("--no-http", help="Serve no HTTP API (gRPC only).")] = False,
+    served_model_name: ServedModelNameOpt = None,
+    chat_template: ChatTemplateOpt = None,
     startup_timeout: Annotated[float, typer.Option(
         "--startup-timeout", help="Seconds each service may take to load and pass its health check.")] =
         600.0,
@@ -167,8 +178,8 @@ def up(
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
         tls_require_client_cert=tls_require_client_cert, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
         tls_client_key=tls_client_key, tls_server_name=tls_server_name, auth_token_file=auth_token_file)
-    for option, value in (("--port", port), ("--drafter-port", drafter_port),
-                          ("--verifier-port", verifier_port)):
+    ports = [("--port", port), ("--drafter-port", drafter_port), ("--verifier-port", verifier_port)]
+    for option, value in ports + ([] if no_http else [("--http-port", http_port)]):
         check_port_free(host, value, option)
     try:
         draft_path = resolve_model(draft, "draft")
@@ -223,7 +234,10 @@ def up(
                                 ("--store-url", store_url), ("--draft-rows", draft_rows),
                                 ("--max-active-requests", max_active_requests),
                                 ("--queue-timeout", queue_timeout), ("--request-ttl", request_ttl),
-                                ("--max-prompt-bytes", max_prompt_bytes)):
+                                ("--max-prompt-bytes", max_prompt_bytes),
+                                ("--served-model-name", served_model_name),
+                                ("--chat-template", absolute_path(chat_template)),
+                                ("--http-port", None if no_http else http_port)):
                 if value is not None:
                     args += [flag, str(value)]
             if adaptive_k is not None:
@@ -241,7 +255,7 @@ def up(
             processes.write_ready_file(ready_file, {
                 "orchestrator": orch.address, "drafter": drafter.address, "verifier": verifier.address,
                 "log_dir": str(supervisor.log_dir), "pids": {c.name: c.pid for c in supervisor.children},
-                "pid": os.getpid(), "metrics": metrics,
+                "pid": os.getpid(), "metrics": metrics, "http": orch.info.get("http_url"),
             })
         dead = _watch_restarting_the_drafter(supervisor, drafter_restarts, startup_timeout, probe)
         if dead is not None:
@@ -307,9 +321,12 @@ def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str], me
         err.print(f"metrics of the {name}: {url}")
     if trace_file is not None:
         err.print(f"spans: {trace_file} (a timeline: specdec trace-report {trace_file})")
-    orch = supervisor.children[-1].address
-    flag = "" if orch == DEFAULT_ORCHESTRATOR_ADDRESS else f" --address {orch}"
+    orchestrator = supervisor.children[-1]
+    address = orchestrator.address
+    flag = "" if address == DEFAULT_ORCHESTRATOR_ADDRESS else f" --address {address}"
     err.print(f"try:  specdec generate{flag}{escape(generate_flags)} \"def quicksort\"")
+    if orchestrator.info.get("http_url"):
+        err.print(f"      OpenAI-compatible API: {orchestrator.info['http_url']}/v1 (docs/http.md)")
     err.print("stop: Ctrl-C")
 
 

@@ -20,6 +20,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.errors import (  # noqa: F401 - re-exported: the engines' errors are specdec.errors'
+    AlreadyExists,
+    ContextTooLong,
+    EngineError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    PeerUnavailable,
+    SessionGone,
+    StillRunning,
+    StoreUnavailable,
+    Unauthenticated,
+)
 from specdec.sampling import SamplingParams
 from specdec.verification.base import MethodParams
 from specdec.verification.lean import LeanDraft
@@ -33,62 +46,6 @@ MAX_LOOKAHEAD_K = 128  # draft length after each Lookahead guess (each step is o
 MAX_LOOKAHEAD_GUESSES = 16  # bonus guesses, and rejection guesses, of one Lookahead
 BOTH_DRAFT_FORMS = ("draft_probs: give the draft rows either full (draft_probs) or lean (draft_token_probs, "
                     "draft_row_indices, draft_row_values), not both")
-
-
-class EngineError(Exception):
-    """Base of the errors engines raise; adapters map each subclass to one gRPC status.
-
-    A client raising one for a peer's status sets `address` (the peer's host:port, for logs) and
-    `public` (the text without it): a server passing the error on sends `public`, never the address.
-    """
-
-    address: str | None = None
-    public: str | None = None
-
-
-class InvalidRequest(EngineError, ValueError):
-    """Bad field (→ INVALID_ARGUMENT). The message names the field."""
-
-
-class SessionGone(EngineError):
-    """Session unknown/evicted or behind the caller (→ FAILED_PRECONDITION); resend context."""
-
-
-class PeerUnavailable(EngineError):
-    """A service cannot be reached (→ UNAVAILABLE); the message names the address, `public` only the
-    service."""
-
-
-class Overloaded(EngineError):
-    """No room for the call within its wait: an engine's KV budget or session cap held only busy
-    sessions, or the orchestrator ran its maximum of requests (→ RESOURCE_EXHAUSTED). Retrying later
-    is safe: nothing was changed. The message says what was full and which limit to raise."""
-
-
-class ContextTooLong(InvalidRequest):
-    """Sequence would exceed the model's context window (→ INVALID_ARGUMENT)."""
-
-
-class AlreadyExists(EngineError):
-    """A request_id that already has a stored record (→ ALREADY_EXISTS): resume it, or pick another."""
-
-
-class NotFound(EngineError):
-    """No stored request of that id for this caller (→ NOT_FOUND). A record bound to another caller
-    reads as not found, so its existence is not revealed."""
-
-
-class Unauthenticated(EngineError):
-    """Missing or wrong credentials (→ UNAUTHENTICATED). The message never contains the token."""
-
-
-class StoreUnavailable(PeerUnavailable):
-    """The configured request store (Redis) cannot be reached (→ UNAVAILABLE, naming the store)."""
-
-
-class StillRunning(EngineError):
-    """Resume of a request that a live orchestrator is still running (→ ABORTED): one run at a time
-    writes a record. Retry once it stops, or once its lease runs out without progress."""
 
 
 @dataclass(frozen=True)

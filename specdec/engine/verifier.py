@@ -38,6 +38,7 @@ from specdec.engine.api import (
     VerifyRequest,
 )
 from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
+from specdec.generation import CHAT_ROLES, ChatMessage
 from specdec.methods import Method, verification_method
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
@@ -132,6 +133,38 @@ class VerifierEngine:
         self._check_text_size(text)
         with self._tokenizer_lock:
             ids = self.loaded.tokenizer.encode(text, add_special_tokens=True)
+        return [int(t) for t in ids]
+
+    def apply_chat_template(self, messages: list[ChatMessage], chat_template: str | None = None) -> list[int]:
+        """Prompt ids of a chat: the tokenizer's chat template (or `chat_template`, a Jinja text)
+        rendered with the assistant's turn opened (add_generation_prompt=True), then encoded.
+
+        InvalidRequest when there is no template or it fails on these messages; every content is
+        bounded like a Tokenize text first, and so is the rendered prompt."""
+        if not messages:
+            raise InvalidRequest("messages: the chat is empty")
+        for index, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidRequest(f"messages[{index}].role: {message.role!r} is not one of "
+                                     f"{', '.join(CHAT_ROLES)}")
+            self._check_text_size(message.content)
+        tokenizer = self.loaded.tokenizer
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise InvalidRequest(
+                "messages: the target model's tokenizer has no chat template; send a prompt instead, "
+                "or start the orchestrator with --chat-template FILE")
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            with self._tokenizer_lock:
+                text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                                     add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a Jinja error of the template on these messages
+            raise InvalidRequest(f"messages: the chat template failed: {exc}") from None
+        self._check_text_size(text)
+        with self._tokenizer_lock:
+            # The template writes any BOS itself: encoding must not add special tokens again.
+            ids = tokenizer.encode(text, add_special_tokens=False)
         return [int(t) for t in ids]
 
     def decode(self, token_ids: list[int]) -> str:

@@ -64,10 +64,25 @@ def test_every_request_field_has_an_option() -> None:
     """A new GenerationRequest field needs a `generate` option (or an entry here saying why not)."""
     not_options = {"request_id"}  # set by the orchestrator
     request = build_request(**EVERY_OPTION)
+    chat = build_request(**{**EVERY_OPTION, "chat": True, "system": "be brief"})  # the prompt as a chat
     defaults = GenerationRequest()
     unset = {f.name for f in fields(GenerationRequest)
-             if getattr(request, f.name) == getattr(defaults, f.name)} - {"prompt_ids"}
+             if getattr(request, f.name) == getattr(defaults, f.name) == getattr(chat, f.name)}
+    unset -= {"prompt_ids"}
     assert unset <= not_options, f"generate sets no value for {sorted(unset - not_options)}"
+
+
+def test_chat_sends_the_prompt_as_the_users_turn(recorded) -> None:
+    from specdec.generation import ChatMessage
+
+    result = CliRunner().invoke(app, ["generate", "--chat", "--system", "be brief", "hello"], env=ENV)
+    assert result.exit_code == 0, result.output
+    ((request, _),) = recorded["runs"]
+    assert request.prompt is None
+    assert request.messages == [ChatMessage("system", "be brief"), ChatMessage("user", "hello")]
+    for bad in (["--system", "x", "hello"], ["--chat", "--prompt-ids", "1,2"]):
+        result = CliRunner().invoke(app, ["generate", *bad], env=ENV)
+        assert result.exit_code == 2, (bad, result.output)
 
 
 def test_the_command_builds_the_request_once(recorded) -> None:
@@ -90,7 +105,11 @@ def test_the_defaults_are_the_request_defaults(recorded) -> None:
     assert not run.in_process
 
 
-def test_in_process_settings_and_prompt_ids(recorded, tmp_path) -> None:
+def test_in_process_settings_and_prompt_ids(recorded, tmp_path, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --device is checked at parse time
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     trace = tmp_path / "spans.jsonl"
     result = CliRunner().invoke(app, ["generate", "--draft", "d", "--target", "t", "--device", "cuda",
                                       "--dtype", "int8", "--threads", "2", "--trace-file", str(trace),

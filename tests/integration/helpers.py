@@ -80,8 +80,8 @@ class UpProcess:
         self.log_dir = workdir / "logs"
         self.stderr_path = workdir / "up.stderr"
         argv = cli_argv("up", "--port", "0", "--drafter-port", "0", "--verifier-port", "0",
-                        "--ready-file", str(self.ready_file), "--log-dir", str(self.log_dir),
-                        "--startup-timeout", str(STARTUP_TIMEOUT_S), *args)
+                        "--http-port", "0", "--ready-file", str(self.ready_file),
+                        "--log-dir", str(self.log_dir), "--startup-timeout", str(STARTUP_TIMEOUT_S), *args)
         self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self._stderr, env=cli_env(),
                                         cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)

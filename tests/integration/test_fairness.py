@@ -22,10 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 
 from drafter_service.server import start_drafter_server  # noqa: E402
-from orchestrator.clients.grpc_client import GenerationClient, GrpcDrafterClient, GrpcVerifierClient  # noqa: E402
+from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient  # noqa: E402
 from orchestrator.config import OrchestratorConfig  # noqa: E402
 from orchestrator.server import start_orchestrator_server  # noqa: E402
 from orchestrator.speculation import Orchestrator  # noqa: E402
+from specdec.client import AsyncClient  # noqa: E402
 from specdec.engine.drafter import DrafterEngine  # noqa: E402
 from specdec.engine.verifier import VerifierEngine  # noqa: E402
 from specdec.generation import GenerationRequest  # noqa: E402
@@ -60,14 +61,14 @@ def engines(tiny_models):
             VerifierEngine(_slowed(tiny_models.target), batching=batching))
 
 
-async def _serve(engines, **config) -> tuple[GenerationClient, Callable[[], Awaitable[None]]]:
+async def _serve(engines, **config) -> tuple[AsyncClient, Callable[[], Awaitable[None]]]:
     """Drafter, verifier and orchestrator servers; returns a client and what stops them all."""
     drafter_server, dport = await start_drafter_server(engines[0])
     verifier_server, vport = await start_verifier_server(engines[1])
     orch = Orchestrator(GrpcDrafterClient(f"127.0.0.1:{dport}"), GrpcVerifierClient(f"127.0.0.1:{vport}"),
                         OrchestratorConfig(**config))
     server, port = await start_orchestrator_server(orch)
-    client = GenerationClient(f"127.0.0.1:{port}", timeout_s=180)
+    client = AsyncClient(f"127.0.0.1:{port}", timeout_s=180)
 
     async def close() -> None:
         await client.close()
@@ -89,20 +90,20 @@ def _big() -> GenerationRequest:
     return GenerationRequest(prompt_ids=prompt, max_new_tokens=BIG_NEW, seed=1, stop_token_ids=[])
 
 
-async def _timed(client: GenerationClient, request: GenerationRequest) -> float:
+async def _timed(client: AsyncClient, request: GenerationRequest) -> float:
     start = time.monotonic()
     result = await client.generate(request)
     assert len(result.token_ids) == request.max_new_tokens
     return time.monotonic() - start
 
 
-async def _small_latency(client: GenerationClient, round_: int) -> float:
+async def _small_latency(client: AsyncClient, round_: int) -> float:
     """The slowest of SMALL_CLIENTS concurrent small requests."""
     latencies = await asyncio.gather(*(_timed(client, _small(round_ * 10 + i)) for i in range(SMALL_CLIENTS)))
     return max(latencies)
 
 
-async def _with_big(client: GenerationClient) -> tuple[float, float]:
+async def _with_big(client: AsyncClient) -> tuple[float, float]:
     """(the slowest small request, the big one) when the small ones come just after the big one."""
     big = asyncio.create_task(_timed(client, _big()))
     await asyncio.sleep(0.05)  # the big request is in its prefill, or past it
@@ -110,7 +111,7 @@ async def _with_big(client: GenerationClient) -> tuple[float, float]:
     return small, await big
 
 
-async def _alone(client: GenerationClient) -> float:
+async def _alone(client: AsyncClient) -> float:
     await _small_latency(client, 0)  # warm-up (first calls, channels)
     return min([await _small_latency(client, 1), await _small_latency(client, 2)])
 

@@ -21,13 +21,20 @@ pytestmark = pytest.mark.slow
 
 VOCAB = 8
 RPC_TIMEOUT_S = 60.0
+SERVED_NAME = "tiny-pair"
+# The tiny word-level tokenizer knows only t0..t7 (and has no chat template of its own).
+CHAT_TEMPLATE = ("{% for m in messages %}t2 {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}t3{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_models, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("up")
+    template = workdir / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
     up = UpProcess(workdir, "--draft", str(tiny_models.draft), "--target", str(tiny_models.target),
-                   "--trace-file", str(workdir / "spans.jsonl"), "--metrics-port", "0")
+                   "--trace-file", str(workdir / "spans.jsonl"), "--metrics-port", "0",
+                   "--served-model-name", SERVED_NAME, "--chat-template", str(template))
     up.trace_file = workdir / "spans.jsonl"
     try:
         up.wait_ready()
@@ -160,6 +167,31 @@ def test_every_service_serves_metrics(pipeline) -> None:
             assert reply.status == 200, name
             assert b"specdec" in reply.read(), name
         assert url in pipeline.stderr()
+
+
+def test_the_openai_package_completes_chats_and_streams_over_http(pipeline) -> None:
+    import openai
+
+    base = pipeline.info["http"]
+    assert base and base.startswith("http://127.0.0.1:")
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=RPC_TIMEOUT_S) as client:
+        assert [m.id for m in client.models.list().data] == [SERVED_NAME]
+        completion = client.completions.create(model=SERVED_NAME, prompt="t1 t2", max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True, "k": 2})
+        assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 6
+        streamed = client.completions.create(model=SERVED_NAME, prompt="t1 t2", max_tokens=6, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True, "k": 2})
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.choices[0].text
+        chat = client.chat.completions.create(model=SERVED_NAME, max_tokens=5, seed=3,
+                                              messages=[{"role": "user", "content": "t4 t5"}])
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.usage.prompt_tokens == 4  # t2 t4 t5 t3: the template's words around the content
+        pieces = client.chat.completions.create(model=SERVED_NAME, max_tokens=5, seed=3, stream=True,
+                                                messages=[{"role": "user", "content": "t4 t5"}])
+        assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == \
+            chat.choices[0].message.content
+        with pytest.raises(openai.BadRequestError, match="top_p"):
+            client.completions.create(model=SERVED_NAME, prompt="t1", max_tokens=2, top_p=2.0)
 
 
 def test_a_dead_drafter_is_restarted_on_its_address(pipeline, stub) -> None:

@@ -44,10 +44,10 @@ def _request(method: str, n: int, **kw) -> GenerationRequest:
 
 
 async def _client_requests(address: str, endpoint: str) -> dict[str, GenerationResult]:
-    from orchestrator.clients.grpc_client import GenerationClient
+    from specdec.client import AsyncClient
 
     tracing = configure_tracing("specdec-test-client", otlp_endpoint=endpoint)
-    client = GenerationClient(address, interceptors=tracing.client_interceptors(), timeout_s=300)
+    client = AsyncClient(address, interceptors=tracing.client_interceptors(), timeout_s=300)
     try:
         results = {
             "rd_a0": await client.generate(_request("rd", 6, k=2, a=0.0)),

@@ -189,14 +189,14 @@ async def test_a_full_engine_answers_resource_exhausted_and_the_client_raises_ov
 
 
 async def test_the_generation_service_answers_resource_exhausted_when_busy(make_orchestrator):
-    from orchestrator.clients.grpc_client import GenerationClient
     from orchestrator.server import start_orchestrator_server
+    from specdec.client import AsyncClient
     from specdec.rpc.grpc_support import stop_server
 
     orch = make_orchestrator(max_active_requests=1, queue_timeout_s=0)
     await orch.start()
     server, port = await start_orchestrator_server(orch)
-    client = GenerationClient(f"127.0.0.1:{port}")
+    client = AsyncClient(f"127.0.0.1:{port}")
     try:
         async with orch.admission.slot():  # another request holds the only slot
             with pytest.raises(Overloaded, match="orchestrator busy: 1 requests running"):

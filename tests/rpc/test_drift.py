@@ -66,7 +66,8 @@ def test_services_and_rpcs() -> None:
         n: (False, False) for n in ("Info", "Draft", "Lookahead", "Release")
     }
     assert rpcs(verifier_pb2, "VerifierService") == {
-        n: (False, False) for n in ("Info", "Score", "Verify", "Tokenize", "Decode", "Release")
+        n: (False, False)
+        for n in ("Info", "Score", "Verify", "Tokenize", "ApplyChatTemplate", "Decode", "Release")
     }
     assert rpcs(generation_pb2, "GenerationService") == {
         "Generate": (False, False),

@@ -19,12 +19,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa:
 
 from drafter_service.server import start_drafter_server  # noqa: E402
 from orchestrator.clients.grpc_client import (  # noqa: E402
-    GenerationClient,
     GrpcDrafterClient,
     GrpcVerifierClient,
 )
 from orchestrator.server import start_orchestrator_server  # noqa: E402
 from orchestrator.speculation import Orchestrator  # noqa: E402
+from specdec.client import AsyncClient  # noqa: E402
 from specdec.engine.api import (  # noqa: E402
     DraftRequest,
     LookaheadRequest,
@@ -109,8 +109,8 @@ REQUEST = GenerationRequest(prompt_ids=[1, 2, 3], max_new_tokens=6, seed=3, meth
                             stop_token_ids=[], sampling=SamplingParams(temperature=1.0))
 
 
-def generation_client(address: str, **security) -> GenerationClient:
-    return GenerationClient(address, timeout_s=RPC_TIMEOUT_S, security=ClientSecurity(**security))
+def generation_client(address: str, **security) -> AsyncClient:
+    return AsyncClient(address, timeout_s=RPC_TIMEOUT_S, security=ClientSecurity(**security))
 
 
 async def health(address: str, security: ClientSecurity) -> str:

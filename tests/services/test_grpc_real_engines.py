@@ -22,13 +22,13 @@ from scipy import stats as scipy_stats  # noqa: E402
 
 from drafter_service.server import start_drafter_server  # noqa: E402
 from orchestrator.clients.grpc_client import (  # noqa: E402
-    GenerationClient,
     GrpcDrafterClient,
     GrpcVerifierClient,
 )
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient  # noqa: E402
 from orchestrator.server import start_orchestrator_server  # noqa: E402
 from orchestrator.speculation import Orchestrator  # noqa: E402
+from specdec.client import AsyncClient  # noqa: E402
 from specdec.engine.api import (  # noqa: E402
     DraftRequest,
     InvalidRequest,
@@ -258,7 +258,7 @@ STACK_IDS = [m + ("+guesses" if "pipeline_bonus_guesses" in knobs else "") for m
 
 @pytest.mark.parametrize(("method", "knobs"), STACK_CASES, ids=STACK_IDS)
 async def test_full_stack_over_grpc_matches_in_process(engines, method, knobs) -> None:
-    """GenerationClient → orchestrator server → Orchestrator on gRPC clients → drafter/verifier
+    """AsyncClient → orchestrator server → Orchestrator on gRPC clients → drafter/verifier
     servers gives the same output as the Orchestrator on in-process clients (text prompt too)."""
     _, drafter_engine, verifier_engine = engines
     request = GenerationRequest(
@@ -275,7 +275,7 @@ async def test_full_stack_over_grpc_matches_in_process(engines, method, knobs) -
         )
         server, port = await start_orchestrator_server(remote_orchestrator)
         try:
-            async with GenerationClient(f"127.0.0.1:{port}", timeout_s=120) as client:
+            async with AsyncClient(f"127.0.0.1:{port}", timeout_s=120) as client:
                 remote = await client.generate(request)
                 chunks = [chunk async for chunk in client.generate_stream(request)]
         finally:

@@ -17,8 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from drafter_service.server import start_drafter_server
-from orchestrator.clients.grpc_client import GenerationClient, GrpcDrafterClient, GrpcVerifierClient
+from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
 from orchestrator.server import start_orchestrator_server
+from specdec.client import AsyncClient
 from specdec.engine.api import (
     DraftRequest,
     EngineError,
@@ -394,7 +395,7 @@ async def test_interceptor_hooks_carry_metadata() -> None:
 async def orchestrator():
     fake = FakeOrchestrator()
     server, port = await start_orchestrator_server(fake)
-    client = GenerationClient(f"127.0.0.1:{port}", timeout_s=10)
+    client = AsyncClient(f"127.0.0.1:{port}", timeout_s=10)
     try:
         yield fake, client
     finally:
@@ -474,7 +475,7 @@ async def test_stream_cancelled_by_client_closes_the_orchestrator_stream(orchest
 
 async def test_generation_client_dead_address() -> None:
     address = f"127.0.0.1:{free_port()}"
-    async with GenerationClient(address) as client:
+    async with AsyncClient(address) as client:
         with pytest.raises(PeerUnavailable, match=address):
             await client.generate(GenerationRequest(prompt="x"))
         with pytest.raises(PeerUnavailable, match=address):

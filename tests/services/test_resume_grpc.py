@@ -1,4 +1,4 @@
-"""Resume over gRPC: GenerationClient → orchestrator server → Orchestrator on gRPC clients → drafter and
+"""Resume over gRPC: AsyncClient → orchestrator server → Orchestrator on gRPC clients → drafter and
 verifier servers on tiny real models (loopback).
 
 A seeded request whose client went away mid-stream resumes token for token as the uninterrupted run
@@ -25,7 +25,6 @@ import pytest  # noqa: E402
 
 from drafter_service.server import start_drafter_server  # noqa: E402
 from orchestrator.clients.grpc_client import (  # noqa: E402
-    GenerationClient,
     GrpcDrafterClient,
     GrpcVerifierClient,
 )
@@ -33,6 +32,7 @@ from orchestrator.config import OrchestratorConfig  # noqa: E402
 from orchestrator.server import start_orchestrator_server  # noqa: E402
 from orchestrator.speculation import Orchestrator  # noqa: E402
 from orchestrator.store import STORE_DOWN, RedisStore, Store  # noqa: E402
+from specdec.client import AsyncClient  # noqa: E402
 from specdec.engine.api import (  # noqa: E402
     AlreadyExists,
     InvalidRequest,
@@ -83,8 +83,8 @@ class Stack:
     orchestrator: Orchestrator
     address: str
 
-    def client(self, security: ClientSecurity | None = None) -> GenerationClient:
-        return GenerationClient(self.address, timeout_s=60, security=security)
+    def client(self, security: ClientSecurity | None = None) -> AsyncClient:
+        return AsyncClient(self.address, timeout_s=60, security=security)
 
 
 @asynccontextmanager
@@ -111,7 +111,7 @@ def _request(request_id: str, method: str = "token", knobs: dict | None = None, 
                              seed=seed, stop_token_ids=[], request_id=request_id, **(knobs or {}))
 
 
-async def _cut(client: GenerationClient, request: GenerationRequest, chunks: int = 2) -> list[int]:
+async def _cut(client: AsyncClient, request: GenerationRequest, chunks: int = 2) -> list[int]:
     """Stream `chunks` chunks, then go away (the call is cancelled); the tokens received."""
     stream = client.generate_stream(request)
     received: list[int] = []

@@ -16,7 +16,7 @@ class ResumeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class GenerationRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline", "pipeline_max_k", "pipeline_bonus_guesses", "pipeline_rejection_guesses")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline", "pipeline_max_k", "pipeline_bonus_guesses", "pipeline_rejection_guesses", "messages")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class GenerationRequest(_message.Message):
     PIPELINE_MAX_K_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_BONUS_GUESSES_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_REJECTION_GUESSES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _common_pb2.TokenIds
     max_new_tokens: int
@@ -49,7 +50,8 @@ class GenerationRequest(_message.Message):
     pipeline_max_k: int
     pipeline_bonus_guesses: int
     pipeline_rejection_guesses: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ..., pipeline_max_k: _Optional[int] = ..., pipeline_bonus_guesses: _Optional[int] = ..., pipeline_rejection_guesses: _Optional[int] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ..., pipeline_max_k: _Optional[int] = ..., pipeline_bonus_guesses: _Optional[int] = ..., pipeline_rejection_guesses: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("iterations", "drafted_iterations", "drafted_tokens", "accepted_tokens", "new_tokens", "seconds", "draft_seconds", "verify_seconds", "overlap_seconds", "accepted_per_position", "drafted_per_position", "fallback_iterations", "tokens_per_second", "acceptance_rate", "pre_drafts_used", "pre_drafts_dropped", "pre_draft_bonus_hits", "pre_draft_rejection_hits")
@@ -92,7 +94,7 @@ class GenerationStats(_message.Message):
     def __init__(self, iterations: _Optional[int] = ..., drafted_iterations: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., overlap_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallback_iterations: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., pre_drafts_used: _Optional[int] = ..., pre_drafts_dropped: _Optional[int] = ..., pre_draft_bonus_hits: _Optional[_Iterable[int]] = ..., pre_draft_rejection_hits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "seed", "method", "stats", "iterations", "started_at")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "seed", "method", "stats", "iterations", "started_at", "prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class GenerationResult(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -111,7 +114,8 @@ class GenerationResult(_message.Message):
     stats: GenerationStats
     iterations: _containers.RepeatedCompositeFieldContainer[IterationRecord]
     started_at: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., iterations: _Optional[_Iterable[_Union[IterationRecord, _Mapping]]] = ..., started_at: _Optional[float] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., iterations: _Optional[_Iterable[_Union[IterationRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Interval(_message.Message):
     __slots__ = ("start", "end")

@@ -56,6 +56,11 @@ class VerifierServiceStub:
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.ApplyChatTemplate = channel.unary_unary(
+                '/specdec.v1.VerifierService/ApplyChatTemplate',
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.ChatTemplateRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_unary(
                 '/specdec.v1.VerifierService/Decode',
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
@@ -101,6 +106,14 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyChatTemplate(self, request, context):
+        """A chat → prompt ids with the target tokenizer's chat template (or the one sent), ending with
+        the assistant's turn (add_generation_prompt). INVALID_ARGUMENT when there is no template.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Decode(self, request, context):
         """Ids → text with the target's tokenizer.
         """
@@ -136,6 +149,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
                     request_deserializer=specdec_dot_v1_dot_verifier__pb2.TokenizeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'ApplyChatTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyChatTemplate,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.ChatTemplateRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.SerializeToString,
             ),
             'Decode': grpc.unary_unary_rpc_method_handler(
@@ -257,6 +275,33 @@ class VerifierService:
             target,
             '/specdec.v1.VerifierService/Tokenize',
             specdec_dot_v1_dot_verifier__pb2.TokenizeRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyChatTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.VerifierService/ApplyChatTemplate',
+            specdec_dot_v1_dot_verifier__pb2.ChatTemplateRequest.SerializeToString,
             specdec_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,

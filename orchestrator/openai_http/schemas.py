@@ -1,0 +1,184 @@
+"""The OpenAI request bodies this server accepts, and how each becomes GenerationRequests.
+
+Standard fields (`max_tokens`, `temperature`, `top_p`, `n`, `stop`, `seed`, `stream`) keep the OpenAI
+meaning. Extra body fields, as vLLM takes them (`extra_body=` in the `openai` package): `top_k`,
+`ignore_eos`, and the speculative knobs `method`, `k`, `a`, `pipeline`. Fields that would change the
+distribution the output is drawn from (penalties, logit_bias) or need what the service does not
+compute (logprobs, echo, tools) are refused with a 400 naming the field, never silently ignored;
+unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.engine.api import InvalidRequest
+from specdec.generation import CHAT_ROLES, ChatMessage, GenerationRequest
+from specdec.sampling import SamplingParams
+
+# At most this many completions (prompts x n) in one HTTP request: each holds a request slot.
+MAX_CHOICES = 16
+# `max_tokens` left out of a completions request: OpenAI's default for /v1/completions.
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # extra body fields (vLLM's convention for what OpenAI has no field for)
+    top_k: int | None = Field(None, ge=-1)
+    ignore_eos: bool = False
+    method: str | None = None
+    k: int | None = Field(None, ge=0)
+    a: float | None = None
+    pipeline: bool | None = None
+
+    def refuse_unsupported(self) -> None:
+        """A 400 for a field that would change what is sampled, or asks for what is not computed."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name}: penalties are not supported (the output follows the target "
+                                     "model's own distribution exactly)")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported (the output follows the target model's own "
+                                 "distribution exactly)")
+
+    def generation_request(self, max_tokens: int | None, **prompt: Any) -> GenerationRequest:
+        """The GenerationRequest of one prompt (the i-th of n samples varies only its seed)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return GenerationRequest(
+            **prompt,
+            max_new_tokens=max_tokens if max_tokens is not None else GenerationRequest.max_new_tokens,
+            sampling=SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_k=max(self.top_k or 0, 0),  # vLLM's -1 means off, as 0 does here
+                top_p=1.0 if self.top_p is None else self.top_p),
+            stop=stop, stop_token_ids=[] if self.ignore_eos else None, seed=self.seed,
+            method=self.method or "", k=self.k, a=self.a, pipeline=self.pipeline)
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str | list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[dict[str, Any]]:
+        """The prompts as GenerationRequest fields: one text or id list each (a batch is a list of them)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [{"prompt": prompt}]
+        if not prompt:
+            raise InvalidRequest("prompt: the prompt is empty")
+        if all(isinstance(item, int) for item in prompt):
+            return [{"prompt_ids": list(prompt)}]
+        return [{"prompt": item} if isinstance(item, str) else {"prompt_ids": list(item)} for item in prompt]
+
+    def generation_requests(self) -> list[GenerationRequest]:
+        self.refuse_unsupported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported")
+        if self.logprobs is not None:
+            raise InvalidRequest("logprobs is not supported")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of: only best_of = n is supported (no ranking by logprobs)")
+        max_tokens = self.max_tokens if self.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
+        return _samples([self.generation_request(max_tokens, **prompt) for prompt in self.prompts()], self.n)
+
+
+class ChatContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[ChatContentPart] | None = None
+
+    def as_message(self, index: int) -> ChatMessage:
+        if self.role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{index}].role: {self.role!r} is not one of "
+                                 f"{', '.join(CHAT_ROLES)}")
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidRequest(f"messages[{index}].content: only text parts are supported")
+            content = "".join(part.text or "" for part in content)
+        return ChatMessage(role=self.role, content=content or "")
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions. Without max_tokens a chat runs to the end of the assistant's turn (or
+    the orchestrator's max_new_tokens_limit)."""
+
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def generation_requests(self, default_max_tokens: int) -> list[GenerationRequest]:
+        self.refuse_unsupported()
+        if self.logprobs or self.top_logprobs:
+            raise InvalidRequest("logprobs is not supported")
+        if self.tools:
+            raise InvalidRequest("tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest("response_format: only {\"type\": \"text\"} is supported")
+        if not self.messages:
+            raise InvalidRequest("messages: the chat is empty")
+        messages = [message.as_message(index) for index, message in enumerate(self.messages)]
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return _samples([self.generation_request(max_tokens, messages=messages)], self.n)
+
+
+def _samples(requests: list[GenerationRequest], n: int) -> list[GenerationRequest]:
+    """n samples of each prompt, in OpenAI's choice order; sample j of a seeded request uses seed + j."""
+    if len(requests) * n > MAX_CHOICES:
+        raise InvalidRequest(f"n: {len(requests)} prompt(s) x n = {n} is {len(requests) * n} completions; "
+                             f"at most {MAX_CHOICES} are allowed in one request")
+    samples = []
+    for request in requests:
+        for j in range(n):
+            seed = None if request.seed is None else (request.seed + j) % 2**64
+            samples.append(GenerationRequest(**{**request.__dict__, "seed": seed}))
+    return samples
+
+
+FinishReason = Literal["stop", "length"]
+
+
+def finish_reason(reason: str) -> FinishReason:
+    """OpenAI's spelling: the end of the model's turn and a stop string are both "stop"."""
+    return "length" if reason == "length" else "stop"

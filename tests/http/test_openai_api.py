@@ -1,0 +1,232 @@
+"""The OpenAI-compatible HTTP API through the official `openai` package, against the real uvicorn
+server over an in-process orchestrator on tiny models: outputs equal the orchestrator's own for the
+same request, streams put together equal the whole answer, and refusals get OpenAI's statuses."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from specdec.generation import ChatMessage, GenerationRequest
+from specdec.sampling import SamplingParams
+
+from .conftest import MODEL, TOKEN, make_orchestrator, serve
+
+pytestmark = pytest.mark.asyncio
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+async def direct(orchestrator, **fields):
+    """What the orchestrator itself answers (the reference for the HTTP answer)."""
+    return await orchestrator.generate(GenerationRequest(**{"method": "", **fields}))
+
+
+async def test_models_lists_the_served_name(client) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] > 0
+
+
+async def test_completion_equals_the_orchestrators_answer(client, http_server) -> None:
+    _, orchestrator = http_server
+    response = await client.completions.create(model=MODEL, prompt="t1 t2 t3", max_tokens=12, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    reference = await direct(orchestrator, prompt="t1 t2 t3", max_new_tokens=12, sampling=GREEDY,
+                             stop_token_ids=[])
+    choice = response.choices[0]
+    assert choice.text == reference.text and choice.finish_reason == "length"
+    assert response.id.startswith("cmpl-") and response.model == MODEL
+    assert response.usage.prompt_tokens == 3 and response.usage.completion_tokens == 12
+    assert response.usage.total_tokens == 15
+
+
+async def test_seeded_samples_of_a_prompt_batch(client, http_server) -> None:
+    _, orchestrator = http_server
+    response = await client.completions.create(
+        model=MODEL, prompt=[[1, 2], "t4 t5"], n=2, seed=7, max_tokens=6,
+        extra_body={"method": "token", "k": 2, "ignore_eos": True})
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    for index, prompt in enumerate([{"prompt_ids": [1, 2]}, {"prompt": "t4 t5"}]):
+        for j in range(2):
+            reference = await direct(orchestrator, **prompt, max_new_tokens=6, seed=7 + j, method="token",
+                                     k=2, stop_token_ids=[])
+            assert response.choices[2 * index + j].text == reference.text
+    assert response.usage.prompt_tokens == 4 and response.usage.completion_tokens == 24
+
+
+async def test_chat_applies_the_template(client, http_server) -> None:
+    _, orchestrator = http_server
+    messages = [{"role": "system", "content": "t4"}, {"role": "user", "content": "t5 t6"}]
+    response = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                    temperature=0)
+    reference = await direct(orchestrator, messages=[ChatMessage(**m) for m in messages], max_new_tokens=8,
+                             sampling=GREEDY)
+    message = response.choices[0].message
+    assert message.role == "assistant" and message.content == reference.text
+    assert response.id.startswith("chatcmpl-") and response.object == "chat.completion"
+    # t1 t4 t2 t5 t6 t3: the template's words around the contents
+    assert response.usage.prompt_tokens == 6 == reference.prompt_tokens
+
+
+async def test_streamed_completion_puts_together_the_whole_answer(client) -> None:
+    whole = await client.completions.create(model=MODEL, prompt="t1 t2", max_tokens=10, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    stream = await client.completions.create(model=MODEL, prompt="t1 t2", max_tokens=10, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    pieces, reasons, usage = [], [], None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == whole.choices[0].text
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert usage is not None and usage.completion_tokens == 10
+
+
+async def test_streamed_chat_starts_with_the_role_and_ends_with_done(http_server) -> None:
+    base, _ = http_server
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "t4"}], "max_tokens": 6,
+            "temperature": 0, "stream": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        whole = (await http.post(f"{base}/v1/chat/completions", json={**body, "stream": False},
+                                 headers={"Authorization": f"Bearer {TOKEN}"})).json()
+        async with http.stream("POST", f"{base}/v1/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = [line async for line in response.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    import json
+
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+
+
+@pytest.mark.parametrize("fields, where", [
+    ({"temperature": -1}, "temperature"),
+    ({"extra_body": {"method": "nope"}}, "method"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"n": 40}, "n:"),
+    ({"extra_body": {"a": 0.5, "method": "token"}}, "a:"),
+])
+async def test_bad_parameters_get_400_naming_the_field(client, fields, where) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.completions.create(model=MODEL, prompt="t1", max_tokens=2, **fields)
+    assert caught.value.status_code == 400
+    assert where in caught.value.body["message"]
+    assert caught.value.body["type"] == "invalid_request_error"
+
+
+async def test_a_bad_chat_role_and_an_empty_chat_get_400(client) -> None:
+    with pytest.raises(openai.BadRequestError, match="role"):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "t1"}])
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        await client.chat.completions.create(model=MODEL, messages=[])
+
+
+async def test_token_guards_every_route_but_health(http_server) -> None:
+    base, _ = http_server
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0) as intruder:
+        with pytest.raises(openai.AuthenticationError):
+            await intruder.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            await intruder.completions.create(model=MODEL, prompt="t1", max_tokens=2)
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(f"{base}/health")).status_code == 200
+        response = await http.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "t1"})
+        assert response.status_code == 401 and TOKEN not in response.text
+
+
+async def test_an_unknown_model_gets_404(client) -> None:
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        await client.completions.create(model="nope", prompt="t1", max_tokens=2)
+
+
+async def test_a_body_over_the_limit_gets_413(http_server) -> None:
+    base, _ = http_server
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await http.post(f"{base}/v1/completions", content=b"x" * (9 * 2**20),
+                                   headers={"Authorization": f"Bearer {TOKEN}",
+                                            "Content-Type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+async def test_chat_without_a_template_is_a_clear_400(engines) -> None:
+    orchestrator = make_orchestrator(engines)
+    server = await serve(orchestrator)
+    try:
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                                      max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError, match="no chat template.*--chat-template"):
+                await client.chat.completions.create(model=orchestrator.target_info.model_id,
+                                                     messages=[{"role": "user", "content": "t1"}])
+    finally:
+        await server.stop(1.0)
+        await orchestrator.close()
+
+
+async def test_a_full_server_answers_429_and_a_closed_stream_frees_its_slot(engines) -> None:
+    orchestrator = make_orchestrator(engines, max_active_requests=1, queue_timeout_s=0.0, pipeline=False)
+    server = await serve(orchestrator, served_model_name=MODEL)
+    base = f"http://127.0.0.1:{server.port}"
+    body = {"model": MODEL, "prompt": "t1", "max_tokens": 100, "stream": True, "ignore_eos": True}
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client, \
+                httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", f"{base}/v1/completions", json=body) as held:
+                assert held.status_code == 200
+                await anext(held.aiter_lines())  # the stream holds the only request slot now
+                with pytest.raises(openai.RateLimitError):
+                    await client.completions.create(model=MODEL, prompt="t1", max_tokens=2)
+            for _ in range(200):  # bounded: the closed stream's slot comes back
+                if orchestrator.admission_stats()["active"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert orchestrator.admission_stats()["active"] == 0
+            done = await client.completions.create(model=MODEL, prompt="t1", max_tokens=2)
+            assert done.choices[0].text is not None
+    finally:
+        await server.stop(1.0)
+        await orchestrator.close()
+
+
+class _NotServing:
+    """An orchestrator whose verifier is down (what ensure_serving raises then)."""
+
+    config = None
+    target_info = None
+
+    async def ensure_serving(self) -> None:
+        from specdec.engine.api import PeerUnavailable
+
+        raise PeerUnavailable("verifier not ready")
+
+
+async def test_not_serving_gives_503_on_health_and_requests() -> None:
+    from orchestrator.openai_http.app import create_app
+    from orchestrator.openai_http.server import start_http_server
+
+    server = await start_http_server(create_app(_NotServing(), served_model_name=MODEL), "127.0.0.1", 0)
+    try:
+        async with httpx.AsyncClient() as http:
+            health = await http.get(f"http://127.0.0.1:{server.port}/health")
+            assert health.status_code == 503 and "verifier not ready" in health.text
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                                      max_retries=0) as client:
+            with pytest.raises(openai.InternalServerError) as caught:
+                await client.completions.create(model=MODEL, prompt="t1", max_tokens=2)
+            assert caught.value.status_code == 503
+    finally:
+        await server.stop(1.0)
