@@ -158,11 +158,8 @@ def _request_message(prompt: str | GenerationRequest | None, fields: dict[str, A
 # ------------------------------------------------------------------------------------ async
 
 
-class AsyncClient(GrpcClient):
-    """The orchestrator's GenerationService from asyncio code; see the module docstring.
-
-    The channel opens on first use in the running event loop; `close()` (or `async with`) closes it.
-    """
+class _GenerationService:
+    """What both clients share: the service, and how their arguments become a channel's security."""
 
     _stub_class = generation_pb2_grpc.GenerationServiceStub
     _service_name = SERVICE_NAME
@@ -183,10 +180,18 @@ class AsyncClient(GrpcClient):
     ) -> None:
         """`timeout_s`: seconds one request (a whole stream) may take. TLS: `tls_ca` verifies the server
         (a PEM file), `tls_client_cert` / `tls_client_key` for mTLS; `token`: the orchestrator's bearer
-        token; or a prepared `security`. `channel`: max_message_mb, options, interceptors (grpc.aio)."""
+        token; or a prepared `security`. `channel`: max_message_mb, options, interceptors (grpc.aio ones
+        for AsyncClient, grpc ones for Client)."""
         security = client_security(security, token=token, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
                                    tls_client_key=tls_client_key, tls_server_name=tls_server_name)
-        super().__init__(address, timeout_s=timeout_s, security=security, **channel)
+        super().__init__(address, timeout_s=timeout_s, security=security, **channel)  # type: ignore[call-arg]
+
+
+class AsyncClient(_GenerationService, GrpcClient):
+    """The orchestrator's GenerationService from asyncio code; see the module docstring.
+
+    The channel opens on first use in the running event loop; `close()` (or `async with`) closes it.
+    """
 
     async def generate(self, prompt: str | GenerationRequest | None = None, /,
                        **fields: Any) -> GenerationResult:
@@ -227,31 +232,9 @@ class AsyncClient(GrpcClient):
 # ------------------------------------------------------------------------------------- sync
 
 
-class Client(SyncGrpcClient):
+class Client(_GenerationService, SyncGrpcClient):
     """The orchestrator's GenerationService from blocking code (threads may share one); see the module
     docstring. The same arguments and methods as AsyncClient, without `await`."""
-
-    _stub_class = generation_pb2_grpc.GenerationServiceStub
-    _service_name = SERVICE_NAME
-    _role = "orchestrator"
-
-    def __init__(
-        self,
-        address: str = DEFAULT_ADDRESS,
-        *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        token: str | None = None,
-        tls_ca: str | Path | None = None,
-        tls_client_cert: str | Path | None = None,
-        tls_client_key: str | Path | None = None,
-        tls_server_name: str | None = None,
-        security: ClientSecurity | None = None,
-        **channel: Any,
-    ) -> None:
-        """As AsyncClient; `channel`'s interceptors are grpc (not grpc.aio) client interceptors."""
-        security = client_security(security, token=token, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
-                                   tls_client_key=tls_client_key, tls_server_name=tls_server_name)
-        super().__init__(address, timeout_s=timeout_s, security=security, **channel)
 
     def generate(self, prompt: str | GenerationRequest | None = None, /, **fields: Any) -> GenerationResult:
         """Generate to the end; `prompt` and `fields` as for build_request."""

@@ -64,7 +64,14 @@ async def serving(engines, security: ServerSecurity | None = None) -> AsyncItera
         security = security or ServerSecurity()
         server, port = await start_orchestrator_server(orchestrator, credentials=security.credentials,
                                                        interceptors=security.interceptors())
-        yield f"localhost:{port}"
+        address = f"localhost:{port}"
+        if not security.tls:  # health needs no token; over TLS the tests wait themselves
+            async with AsyncClient(address) as probe:
+                for _ in range(200):  # bounded: the health monitor's first round sets SERVING
+                    if await probe.health() == "SERVING":
+                        break
+                    await asyncio.sleep(0.02)
+        yield address
     finally:
         if server is not None:
             await stop_server(server, 0.5)
@@ -81,10 +88,6 @@ def _stream_sync(client: Client, *args, **fields) -> list:
 async def test_client_and_async_client_agree_and_streams_add_up(engines) -> None:
     async with serving(engines) as address:
         async with AsyncClient(address, timeout_s=RPC_TIMEOUT_S) as aclient:
-            for _ in range(100):  # bounded: the health monitor's first round pushes SERVING
-                if await aclient.health() == "SERVING":
-                    break
-                await asyncio.sleep(0.05)
             assert await aclient.health() == "SERVING"
             result = await aclient.generate(PROMPT, **GREEDY)
             chunks = [chunk async for chunk in aclient.generate_stream(PROMPT, **GREEDY)]
