@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import pytest_asyncio  # noqa: E402
 
 VOCAB = 8
+CONTEXT = 2048
 TOKEN = "http-test-token"
 MODEL = "tiny-target"
 # The tiny word-level tokenizer knows only t0..t7: a template made of those words.
@@ -25,8 +26,8 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     from specdec.runtime.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("http-models")
-    return (save_tiny_model(root / "draft", vocab_size=VOCAB, seed=11),
-            save_tiny_model(root / "target", vocab_size=VOCAB, seed=12))
+    return (save_tiny_model(root / "draft", vocab_size=VOCAB, seed=11, max_position_embeddings=CONTEXT),
+            save_tiny_model(root / "target", vocab_size=VOCAB, seed=12, max_position_embeddings=CONTEXT))
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ same request, streams put together equal the whole answer, and refusals get Open
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -18,6 +19,7 @@ from .conftest import MODEL, TOKEN, make_orchestrator, serve
 pytestmark = pytest.mark.asyncio
 
 GREEDY = SamplingParams(temperature=0.0)
+LONG = 1500  # new tokens a stream is asked for and never gets to (the tiny models' window is 2048)
 
 
 async def direct(orchestrator, **fields):
@@ -103,8 +105,6 @@ async def test_streamed_chat_starts_with_the_role_and_ends_with_done(http_server
             assert response.headers["content-type"].startswith("text/event-stream")
             lines = [line async for line in response.aiter_lines() if line]
     assert lines[-1] == "data: [DONE]"
-    import json
-
     events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
@@ -177,26 +177,44 @@ async def test_chat_without_a_template_is_a_clear_400(engines) -> None:
         await orchestrator.close()
 
 
-async def test_a_full_server_answers_429_and_a_closed_stream_frees_its_slot(engines) -> None:
+async def test_a_full_server_answers_429(engines) -> None:
     orchestrator = make_orchestrator(engines, max_active_requests=1, queue_timeout_s=0.0, pipeline=False)
     server = await serve(orchestrator, served_model_name=MODEL)
-    base = f"http://127.0.0.1:{server.port}"
-    body = {"model": MODEL, "prompt": "t1", "max_tokens": 100, "stream": True, "ignore_eos": True}
+    holder = orchestrator.generate_stream(GenerationRequest(prompt="t1", max_new_tokens=50))
     try:
-        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client, \
-                httpx.AsyncClient(timeout=60) as http:
+        await anext(holder)  # a suspended stream holds the only request slot
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                                      max_retries=0) as client:
+            with pytest.raises(openai.RateLimitError) as caught:
+                await client.completions.create(model=MODEL, prompt="t1", max_tokens=2)
+            assert caught.value.status_code == 429 and "overloaded" in caught.value.body["message"]
+            await holder.aclose()
+            done = await client.completions.create(model=MODEL, prompt="t1", max_tokens=2)
+            assert done.usage.completion_tokens >= 1
+    finally:
+        await holder.aclose()
+        await server.stop(1.0)
+        await orchestrator.close()
+
+
+async def test_a_closed_stream_stops_its_generation_and_frees_its_slot(engines) -> None:
+    orchestrator = make_orchestrator(engines, pipeline=False)
+    server = await serve(orchestrator, served_model_name=MODEL)
+    base = f"http://127.0.0.1:{server.port}"
+    body = {"model": MODEL, "prompt": "t1", "max_tokens": LONG, "stream": True, "ignore_eos": True}
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
             async with http.stream("POST", f"{base}/v1/completions", json=body) as held:
                 assert held.status_code == 200
-                await anext(held.aiter_lines())  # the stream holds the only request slot now
-                with pytest.raises(openai.RateLimitError):
-                    await client.completions.create(model=MODEL, prompt="t1", max_tokens=2)
-            for _ in range(200):  # bounded: the closed stream's slot comes back
-                if orchestrator.admission_stats()["active"] == 0:
-                    break
-                await asyncio.sleep(0.02)
-            assert orchestrator.admission_stats()["active"] == 0
-            done = await client.completions.create(model=MODEL, prompt="t1", max_tokens=2)
-            assert done.choices[0].text is not None
+                first = await anext(held.aiter_lines())
+        response_id = json.loads(first.removeprefix("data: "))["id"]
+        for _ in range(500):  # bounded: the server sees the disconnect and closes the run
+            if orchestrator.admission_stats()["active"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert orchestrator.admission_stats()["active"] == 0
+        record = await orchestrator.store.get_request(response_id.removeprefix("cmpl-") + "-0")
+        assert record is not None and record.status != "done" and len(record.token_ids) < LONG
     finally:
         await server.stop(1.0)
         await orchestrator.close()

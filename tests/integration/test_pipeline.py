@@ -148,10 +148,10 @@ def test_the_pipeline_still_serves_after_bad_requests(stub) -> None:
 
 def test_cli_prints_one_line_errors(pipeline) -> None:
     address = pipeline.info["orchestrator"]
-    result = run_cli("generate", "--address", address, "--method", "beam", "t1")
+    result = run_cli("generate", "--address", address, "--k", "100000", "t1")  # the server's limit
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # exactly one line
-    assert result.stderr.startswith("error: INVALID_ARGUMENT: method")
+    assert result.stderr.startswith("error: INVALID_ARGUMENT: k")
     assert "Traceback" not in result.stderr
     result = invoke_cli("generate", "--address", address, "--temperature", "-1", "t1")
     assert result.exit_code == 1 and "INVALID_ARGUMENT" in result.stderr and "temperature" in result.stderr
