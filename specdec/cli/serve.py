@@ -304,9 +304,14 @@ async def start_http_api(orchestrator: Any, host: str, port: int, *, security: A
 
 @serve_app.command("orchestrator", cls=ServeCommand)
 def serve_orchestrator(
-    drafter: Annotated[str, typer.Option("--drafter", help="Address of the drafter service.")] =
+    drafter: Annotated[str, typer.Option("--drafter", help=(
+        "Address of the drafter service, host:port. A DNS name that resolves to several addresses (a "
+        "Kubernetes headless Service) means several replicas: each request's sessions stay on one, "
+        "re-resolved every 5 s."))] =
         f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}",
-    verifier: Annotated[str, typer.Option("--verifier", help="Address of the verifier service.")] =
+    verifier: Annotated[str, typer.Option("--verifier", help=(
+        "Address of the verifier service, host:port (several replicas behind a DNS name as for "
+        "--drafter)."))] =
         f"{DEFAULT_HOST}:{DEFAULT_VERIFIER_PORT}",
     host: HostOpt = DEFAULT_HOST,
     port: PortOpt = DEFAULT_ORCHESTRATOR_PORT,
@@ -376,7 +381,7 @@ def serve_orchestrator(
         raise fail(str(exc)) from None
 
     async def main() -> None:
-        from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
+        from orchestrator.clients.replicas import engine_client
         from orchestrator.failover import describe_defaults
         from orchestrator.server import start_orchestrator_server
         from orchestrator.speculation import Orchestrator
@@ -386,8 +391,10 @@ def serve_orchestrator(
         warn_if_exposed(host, tls=front.tls, token=front.authenticated, role="orchestrator")
         client_options = {"max_message_mb": max_message_mb, "interceptors": obs.client_interceptors,
                           "security": engine_security}
-        orchestrator = Orchestrator(GrpcDrafterClient(drafter, **client_options),
-                                    GrpcVerifierClient(verifier, **client_options), config,
+        # A DNS name (e.g. a headless Service) may stand for several replicas: each request's sessions
+        # stay on one of them (orchestrator.clients.replicas); an IP address is one server.
+        orchestrator = Orchestrator(engine_client("drafter", drafter, **client_options),
+                                    engine_client("verifier", verifier, **client_options), config,
                                     observer=obs.loop_observer)
         obs.watch_orchestrator(orchestrator)  # request slots on /metrics (read at scrape time)
         try:
