@@ -1,0 +1,64 @@
+"""The chart's default values, run for real: every rendered container as a local process on tiny
+models, Service names resolving to loopback. Each probe's port must answer SERVING, then text is
+generated through the orchestrator's Service ports (gRPC and the OpenAI-compatible HTTP API)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .pods import (
+    Cluster,
+    complete_http,
+    generate_grpc,
+    render_on_free_ports,
+    save_tiny_models,
+    scrape,
+    wait_ready,
+)
+from .tools import Tools, arg_value, component, pod_spec
+
+pytestmark = pytest.mark.timeout(300)
+# Three processes import torch and transformers at once on a busy 2-core machine: tens of seconds.
+STARTUP_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tools: Tools, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The default values (models as paths in the volume, free ports), every pod started at once."""
+    models = save_tiny_models(tmp_path_factory.mktemp("models-volume"))
+    workdir = tmp_path_factory.mktemp("pods")
+    running = Cluster(render_on_free_ports(tools), workdir, volumes={"models": models})
+    try:
+        running.start()
+        wait_ready(running, STARTUP_TIMEOUT_S)
+        yield running
+    finally:
+        running.stop()
+
+
+def test_rendered_pods_run_as_the_chart_says(cluster: Cluster) -> None:
+    """What the kubelet would run: the image's specdec with the chart's flags, no init container."""
+    assert sorted(pod.component for pod in cluster.pods) == ["drafter", "orchestrator", "verifier"]
+    for deployment in cluster.deployments:
+        assert "initContainers" not in pod_spec(deployment)  # models are paths: nothing to install
+    orchestrator = next(pod for pod in cluster.pods if pod.component == "orchestrator")
+    drafter = pod_spec(component(cluster.docs, "Deployment", "drafter"))["containers"][0]
+    assert arg_value(orchestrator.argv, "--drafter") == f"127.0.0.1:{arg_value(drafter['args'], '--port')}"
+    assert orchestrator.env["HF_HUB_OFFLINE"] == "1"
+    assert orchestrator.env["OTEL_RESOURCE_ATTRIBUTES"].startswith(
+        f"k8s.namespace.name=specdec,k8s.pod.name={orchestrator.name},")
+    assert Path(orchestrator.env["HOME"]).is_dir()  # the /tmp emptyDir, not the read-only image
+
+
+def test_generate_through_the_orchestrator_service(cluster: Cluster) -> None:
+    sample = generate_grpc(cluster)
+    assert sample["text"].strip() and len(sample["token_ids"]) >= 1
+
+
+def test_http_api_and_metrics_through_their_service_ports(cluster: Cluster) -> None:
+    assert complete_http(cluster).strip()
+    for role in ("orchestrator", "drafter", "verifier"):
+        assert "# TYPE" in scrape(cluster, role)
