@@ -189,8 +189,8 @@ class Replicas:
         await asyncio.gather(*(client.close() for client in clients), return_exceptions=True)
 
 
-class ReplicatedDrafterClient:
-    """DrafterClient over the replicas of one drafter address."""
+class _Replicated:
+    """What both engine clients do the same over replicas: Info, Release, health, close."""
 
     def __init__(self, replicas: Replicas) -> None:
         self.replicas = replicas
@@ -198,12 +198,6 @@ class ReplicatedDrafterClient:
 
     async def info(self) -> ModelInfo:
         return await self.replicas.any(lambda c: c.info())
-
-    async def draft(self, request: DraftRequest) -> DraftResult:
-        return await self.replicas.for_session(request.session_id, lambda c: c.draft(request))
-
-    async def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
-        return await self.replicas.for_session(request.session_id, lambda c: c.lookahead(request))
 
     async def release(self, session_id: str) -> None:
         await self.replicas.for_session(session_id, lambda c: c.release(session_id))
@@ -215,15 +209,18 @@ class ReplicatedDrafterClient:
         await self.replicas.close()
 
 
-class ReplicatedVerifierClient:
+class ReplicatedDrafterClient(_Replicated):
+    """DrafterClient over the replicas of one drafter address."""
+
+    async def draft(self, request: DraftRequest) -> DraftResult:
+        return await self.replicas.for_session(request.session_id, lambda c: c.draft(request))
+
+    async def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
+        return await self.replicas.for_session(request.session_id, lambda c: c.lookahead(request))
+
+
+class ReplicatedVerifierClient(_Replicated):
     """VerifierClient over the replicas of one verifier address."""
-
-    def __init__(self, replicas: Replicas) -> None:
-        self.replicas = replicas
-        self.address = replicas.address
-
-    async def info(self) -> ModelInfo:
-        return await self.replicas.any(lambda c: c.info())
 
     async def score(self, request: ScoreRequest) -> None:
         await self.replicas.for_session(request.session_id, lambda c: c.score(request))
@@ -240,15 +237,6 @@ class ReplicatedVerifierClient:
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self.replicas.any(lambda c: c.decode(token_ids))
-
-    async def release(self, session_id: str) -> None:
-        await self.replicas.for_session(session_id, lambda c: c.release(session_id))
-
-    async def is_serving(self, timeout_s: float = 2.0) -> bool:
-        return await self.replicas.is_serving(timeout_s)
-
-    async def close(self) -> None:
-        await self.replicas.close()
 
 
 def engine_client(role: str, address: str, *, security: ClientSecurity | None = None,
