@@ -86,7 +86,12 @@ def write_tiny_gguf(path: Path, quantize: bool = False, seed: int = 0):
 def test_hf_directory_info(tiny_dir):
     environment = dict(os.environ)
     loaded = load_model(tiny_dir)
-    assert dict(os.environ) == environment  # loading is local_files_only; it sets no variable
+    # Loading is local_files_only: it sets no variable but the CPU attention switch (loading.py says
+    # why), which an earlier load in the same process may have set already.
+    after = dict(os.environ)
+    assert after.pop("TRANSFORMERS_SDPA_FORCE_GQA", None) in (None, "1")
+    environment.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
+    assert after == environment
     info = loaded.info
     assert info.model_id == tiny_dir.name
     assert info.vocab_size == 8 and info.max_context == 128 and info.eos_token_ids == (7,)
@@ -122,6 +127,36 @@ def test_int8_quantises_every_linear_and_stays_close(tiny_dir):
     result = DrafterEngine(quantised).draft(DraftRequest(
         "s", 0, [1, 2, 3], [-1, 0, 1], SamplingParams(1.0), seed=1, want_distributions=True))
     assert len(result.tokens) == 3 and torch.allclose(result.draft_probs[:3].sum(-1), torch.ones(3))
+
+
+def _mappings_of(path) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(str(path) in line for line in maps)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_int8_lets_go_of_the_weights_file_and_keeps_its_logits(tiny_dir):
+    """The int8 model keeps no view of the memory-mapped float32 file (its pages would stay resident),
+    and copying out what it keeps changes no logit against torch's own quantisation of the model."""
+    import warnings
+
+    import gc
+
+    weights = next(Path(tiny_dir).glob("*.safetensors")).resolve()
+    before = _mappings_of(weights)
+    gc.disable()  # no automatic collection may tidy up behind load_model's back
+    try:
+        quantised = load_model(tiny_dir, dtype="int8")
+        assert _mappings_of(weights) == before
+    finally:
+        gc.enable()
+    reference = load_model(tiny_dir).model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.ao.quantization.quantize_dynamic(reference, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(quantised.model(ids).logits, reference(ids).logits)
 
 
 def test_gguf_is_converted_once_and_matches(tmp_path, monkeypatch):
