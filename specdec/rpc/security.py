@@ -203,8 +203,9 @@ def read_token_file(path: Path | str, flag: str = "--auth-token-file") -> str:
         mode = path.stat().st_mode
     except OSError:
         mode = 0
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("%s %s can be read by other users of this machine; chmod 600 it", flag, path)
+    # Group access is allowed: a Kubernetes Secret volume gives its files to the pod's fsGroup (0440).
+    if mode & stat.S_IRWXO:
+        log.warning("%s %s can be read by every user of this machine; chmod 600 (or 640) it", flag, path)
     return token
 
 

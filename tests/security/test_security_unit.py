@@ -65,11 +65,12 @@ def test_a_token_file_others_can_read_is_warned_about(tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         assert read_token_file(path) == TOKEN
     assert "chmod 600" in caplog.text and TOKEN not in caplog.text
-    caplog.clear()
-    path.chmod(0o600)
-    with caplog.at_level(logging.WARNING):
-        read_token_file(path)
-    assert caplog.text == ""
+    for private in (0o600, 0o640, 0o440):  # the owner, or its group (a Kubernetes Secret's fsGroup)
+        caplog.clear()
+        path.chmod(private)
+        with caplog.at_level(logging.WARNING):
+            read_token_file(path)
+        assert caplog.text == "", oct(private)
 
 
 def test_write_token_file_is_private_and_replaces(tmp_path) -> None:
