@@ -429,7 +429,8 @@ def exposure_warning(host: str, *, tls: bool, token: bool, role: str) -> str | N
         return None
     engine = role in ("drafter", "verifier")
     what = ("the engine RPCs (Draft, Lookahead, Release, Tokenize, …)" if engine
-            else "Generate, and reach every request stored without a token (Resume)")
+            else "Generate (over gRPC, and the HTTP API's completions with --http-port), and reach "
+            "every request stored without a token (Resume)")
     where = host or "all interfaces"
     missing, fixes = [], []
     if not token:
