@@ -138,9 +138,8 @@ def _mappings_of(path) -> int:
 def test_int8_lets_go_of_the_weights_file_and_keeps_its_logits(tiny_dir):
     """The int8 model keeps no view of the memory-mapped float32 file (its pages would stay resident),
     and copying out what it keeps changes no logit against torch's own quantisation of the model."""
-    import warnings
-
     import gc
+    import warnings
 
     weights = next(Path(tiny_dir).glob("*.safetensors")).resolve()
     before = _mappings_of(weights)
