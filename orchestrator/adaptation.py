@@ -77,6 +77,11 @@ class Observation:
     wall_seconds: float  # the whole iteration
     verify_seconds: float  # its verifier calls
     draft_seconds: float  # its drafter calls (those of a pre-draft ran in the iteration before)
+    # False when an engine first took in more than STEADY_CATCH_UP committed tokens (a request's
+    # prompt, the drafter's catch-up on a probe after target-only steps): its acceptance counts, its
+    # times do not — every request's first iteration would otherwise charge both prompts' prefill to
+    # W(k ≥ 1), and never to W(0), and bias the choice against drafting.
+    steady: bool = True
 
 
 def _count_depths(hits: list[_Mean], obs: Observation) -> None:
@@ -125,12 +130,15 @@ class PairEstimates:
             self._overhead,
         ):
             mean.fade(decay)
+        if k > 0:
+            _count_depths(self._hits, obs)
+        if not obs.steady:
+            return
         self._wall.setdefault(k, _Mean()).add(obs.wall_seconds)
         if obs.verify_seconds > 0:
             self._verify.setdefault(k + 1, _Mean()).add(obs.verify_seconds)
         if k == 0:
             return
-        _count_depths(self._hits, obs)
         if obs.draft_seconds > 0:
             self._draft_per_token.add(obs.draft_seconds / k)
         model = self._model_seconds(k, overhead=0.0)

@@ -175,6 +175,14 @@ class RunSessions:
         self.strategy = spec.draft_strategy or "sample"  # target-only runs never draft
         self.want_rows = spec.needs_draft_rows
 
+    def lag(self, committed: Sequence[int], *, drafting: bool) -> int:
+        """Committed tokens the verifier (and the drafter, when `drafting`) must first take in before
+        the next pass: a request's prompt, a drafter's catch-up after target-only steps."""
+        lags = [len(committed) - common_prefix(self.verifier_mirror.held, committed)]
+        if drafting and self.drafter is not None:
+            lags.append(len(committed) - common_prefix(self.drafter_mirror.held, committed))
+        return max(lags)
+
     # drafter -----------------------------------------------------------------------------------
     async def draft(self, context: list[int], *, shape: Sequence[int], timeline: Timeline) -> DraftResult:
         """Draft a tree of `shape` (parent indices) after `context`."""

@@ -30,7 +30,13 @@ import torch
 
 from orchestrator import health, pipeline, scheduling
 from orchestrator.accounting import CALIBRATION_FLUSH_ITERATIONS, account, flush_calibration
-from orchestrator.adaptation import DrafterCallTimes, DraftLength, Observation, PairEstimates
+from orchestrator.adaptation import (
+    STEADY_CATCH_UP,
+    DrafterCallTimes,
+    DraftLength,
+    Observation,
+    PairEstimates,
+)
 from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.failover import (
@@ -374,6 +380,7 @@ class Orchestrator:
             run.k = self._draft_length(run).choose()
         # Decide what to draft; None: a target-only step (by method, k = 0, or no draft fits the context).
         plan = scheduling.plan_iteration(run, position, self._depth_cap(position))
+        steady = sessions.lag(committed, drafting=plan is not None) <= STEADY_CATCH_UP
         tree, outcome = DraftTree.empty(), None
         if plan is not None and await self._drafter_ready():
             record.k, record.heads = plan.k, plan.heads
@@ -395,7 +402,7 @@ class Orchestrator:
         if run.finish_reason is not None or record.method != run.method:
             pipeline.drop_predraft(run)  # the run ended, or a target-only step took its place
         account(run, record, tree=tree, outcome=outcome, emitted=emitted, started=started, timeline=timeline)
-        self._learn(run, record, timeline)
+        self._learn(run, record, timeline, steady=steady)
         self._report(record, probe, tree.max_depth)
 
     async def _draft(
@@ -447,17 +454,18 @@ class Orchestrator:
                                            start_k=config.default_k, probe_every=config.adaptive_probe_every)
         return run.draft_length
 
-    def _learn(self, run: Run, record: IterationRecord, timeline: Timeline) -> None:
+    def _learn(self, run: Run, record: IterationRecord, timeline: Timeline, *, steady: bool) -> None:
         """Every finished iteration of a sequence method teaches the pair's estimates (requests with a
         fixed k too), and an adaptive request's own acceptance; a step forced by a lost drafter, or
-        a target-only step the request did not choose, says nothing about speculation."""
+        a target-only step the request did not choose, says nothing about speculation. The times of
+        an iteration that began with a prefill (`steady` False) are not a sample of W(k)."""
         if record.fallback or run.tree_budget is not None or not adaptable(run.method, self.config):
             return
         if record.method != run.method and not run.adaptive:
             return
         observation = Observation(
             drafted=record.num_drafted, accepted=record.accepted, wall_seconds=record.end - record.start,
-            verify_seconds=timeline.verify_seconds(), draft_seconds=timeline.draft_seconds(),
+            verify_seconds=timeline.verify_seconds(), draft_seconds=timeline.draft_seconds(), steady=steady,
         )
         self._pair_estimates(run).observe(observation)
         if run.adaptive:

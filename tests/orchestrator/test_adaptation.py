@@ -3,6 +3,7 @@ timed §7 formula, falls back to target-only when drafting cannot pay, and comes
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -37,8 +38,9 @@ class Workload:
     def optimum(self, k_max: int) -> int:
         return max(range(k_max + 1), key=self.rate)
 
-    def step(self, request: DraftLength, rng: random.Random) -> int:
-        """One iteration of `request`: its choice, simulated, fed to it and to its pair."""
+    def step(self, request: DraftLength, rng: random.Random, prefill: float = 0.0, *, steady: bool = True) -> int:
+        """One iteration of `request`: its choice, simulated, fed to it and to its pair (`prefill`
+        seconds more for an iteration that first takes in a prompt)."""
         k = request.choose()
         accepted = 0
         while accepted < k and rng.random() < self.alpha:
@@ -47,9 +49,10 @@ class Workload:
         observation = Observation(
             drafted=k,
             accepted=accepted,
-            wall_seconds=jitter(self.wall(k)),
-            verify_seconds=jitter(self.target(k + 1)),
+            wall_seconds=jitter(self.wall(k)) + prefill,
+            verify_seconds=jitter(self.target(k + 1)) + prefill,
             draft_seconds=jitter(k * self.t_q),
+            steady=steady,
         )
         request.pair.observe(observation)
         request.observe(observation)
@@ -162,6 +165,40 @@ def test_each_request_follows_its_own_acceptance() -> None:
     assert settled(chosen["prose"], 24) == 0
 
 
+def test_a_prefill_iteration_teaches_acceptance_not_time() -> None:
+    pair = PairEstimates()
+    pair.observe(Observation(drafted=2, accepted=2, wall_seconds=5.0, verify_seconds=4.0, draft_seconds=1.0,
+                             steady=False))
+    assert pair.weight(2) == 0.0 and math.isnan(pair.target_seconds(3))
+    assert pair.pooled_alpha() == pytest.approx(1.0)
+    pair.observe(Observation(drafted=2, accepted=0, wall_seconds=0.2, verify_seconds=0.1, draft_seconds=0.1))
+    assert pair.weight(2) == 1.0 and pair.iteration_seconds(2) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("prefill_is_steady", [False, True])
+def test_prompt_prefills_do_not_trap_drafting_requests_target_only(prefill_is_steady: bool) -> None:
+    """Short requests, each opening with a 0.8 s prompt prefill in its first (drafted) iteration. Once
+    the pair has gone target-only, the openings are its only samples of W(k ≥ 1): counted as times,
+    the prefills make drafting look slow for good, even where it pays (the negative case; what the
+    mixed-prompt benchmark showed on code before prefills were excluded)."""
+    rng = random.Random(8)
+    code = Workload(alpha=0.8, t_q=0.045)  # drafting pays 17 % (c = 0.5, like the default pair on a CPU)
+    assert code.rate(code.optimum(8)) > 1.15 * code.rate(0)
+    pair = PairEstimates()
+    later: list[int] = []
+    for n in range(12):
+        request = DraftLength(pair, k_max=8, start_k=2)
+        chosen = [code.step(request, rng, 0.8, steady=prefill_is_steady)]
+        chosen += [code.step(request, rng) for _ in range(23)]
+        if n >= 6:
+            later += chosen[12:]
+    drafted = sum(1 for k in later if k > 0) / len(later)
+    if prefill_is_steady:
+        assert drafted < 0.5, later  # the bias this guards against
+    else:
+        assert drafted > 0.9, later
+
+
 def test_a_new_request_starts_where_the_pair_points() -> None:
     pair = PairEstimates()
     work = Workload(alpha=0.9, t_q=0.01)
@@ -222,3 +259,20 @@ async def test_an_exact_drafter_gets_longer_drafts(model_dirs) -> None:
     result = await orch.generate(_request(100))
     ks = [r.k for r in result.iterations]
     assert ks[:4] == [2] * 4 and ks[-1] == 6, ks
+
+
+async def test_only_the_prompt_iteration_is_unsteady(model_dirs, monkeypatch) -> None:
+    """Through the loop: the first iteration (both engines take in the 40-token prompt) teaches
+    acceptance but no time; every later one, pre-drafted or drafted afresh, is a timing sample."""
+    from orchestrator.adaptation import PairEstimates
+
+    seen: list[Observation] = []
+    original = PairEstimates.observe
+    monkeypatch.setattr(PairEstimates, "observe", lambda self, obs: (seen.append(obs), original(self, obs)))
+    orch = _orchestrator(model_dirs, "draft", draft_sleep=0.0, target_sleep=0.0)
+    from specdec.generation import GenerationRequest
+
+    result = await orch.generate(GenerationRequest(prompt_ids=[1 + i % 5 for i in range(40)], max_new_tokens=12,
+                                                   stop_token_ids=[], k=2))
+    assert len(seen) == len(result.iterations) > 2
+    assert [obs.steady for obs in seen] == [False] + [True] * (len(seen) - 1)
