@@ -82,6 +82,11 @@ class Observation:
     # times do not — every request's first iteration would otherwise charge both prompts' prefill to
     # W(k ≥ 1), and never to W(0), and bias the choice against drafting.
     steady: bool = True
+    # Pipelining: whether the iteration's block was pre-drafted during the last verify (then the
+    # drafter's time hid behind it), and whether the request's previous iteration accepted every
+    # draft (the only case where a pre-draft can come true).
+    pre_drafted: bool = False
+    after_full: bool = False
 
 
 def _count_depths(hits: list[_Mean], obs: Observation) -> None:
@@ -106,6 +111,9 @@ class PairEstimates:
     half_life: float = HALF_LIFE
     _hits: list[_Mean] = field(default_factory=list)  # per depth: accepted (1) or not (0)
     _wall: dict[int, _Mean] = field(default_factory=dict)  # per drafted length
+    _wall_pre: dict[int, _Mean] = field(default_factory=dict)  # per drafted length: block pre-drafted
+    _wall_fresh: dict[int, _Mean] = field(default_factory=dict)  # per drafted length: drafted afresh
+    _guess: _Mean = field(default_factory=_Mean)  # P(pre-drafted | the previous iteration accepted all)
     _verify: dict[int, _Mean] = field(default_factory=dict)  # per verified positions n = k + 1
     _draft_per_token: _Mean = field(default_factory=_Mean)
     _overhead: _Mean = field(default_factory=_Mean)
@@ -125,9 +133,12 @@ class PairEstimates:
         for mean in (
             *self._hits,
             *self._wall.values(),
+            *self._wall_pre.values(),
+            *self._wall_fresh.values(),
             *self._verify.values(),
             self._draft_per_token,
             self._overhead,
+            self._guess,
         ):
             mean.fade(decay)
         if k > 0:
@@ -139,6 +150,9 @@ class PairEstimates:
             self._verify.setdefault(k + 1, _Mean()).add(obs.verify_seconds)
         if k == 0:
             return
+        (self._wall_pre if obs.pre_drafted else self._wall_fresh).setdefault(k, _Mean()).add(obs.wall_seconds)
+        if obs.after_full:
+            self._guess.add(1.0 if obs.pre_drafted else 0.0)
         if obs.draft_seconds > 0:
             self._draft_per_token.add(obs.draft_seconds / k)
         model = self._model_seconds(k, overhead=0.0)
@@ -181,8 +195,21 @@ class PairEstimates:
         wall = self._wall.get(k)
         return wall.weight if wall is not None else 0.0
 
-    def iteration_seconds(self, k: int) -> float:
-        """W(k): measured where k ran recently enough, else the timed model (nan: nothing to go on)."""
+    def iteration_seconds(self, k: int, full: float | None = None) -> float:
+        """W(k): measured where k ran recently enough, else the timed model (nan: nothing to go on).
+
+        With `full`, a request's P(all k drafts accepted), and both kinds of k-iterations measured:
+        p·W_pre(k) + (1 − p)·W_fresh(k), p = full · P(pre-drafted | previous all accepted). A
+        pipelined iteration whose block was pre-drafted costs about the verifier's pass, one drafted
+        afresh adds the drafter's; the pair's plain mean W(k) holds the mix of its requests, so it
+        flatters a request that accepts less than they do (chat beside code) and wrongs one that
+        accepts more.
+        """
+        pre, fresh = self._wall_pre.get(k), self._wall_fresh.get(k)
+        if (full is not None and k > 0 and pre is not None and fresh is not None and self._guess.weight > 0
+                and pre.weight >= MIN_WEIGHT and fresh.weight >= MIN_WEIGHT):
+            p = min(1.0, max(0.0, full)) * self._guess.value
+            return p * pre.value + (1.0 - p) * fresh.value
         if self.weight(k) >= MIN_WEIGHT:
             return self._wall[k].value
         if k == 0:
@@ -241,7 +268,8 @@ class DraftLength:
         return tokens
 
     def tokens_per_second(self, k: int) -> float:
-        seconds = self.pair.iteration_seconds(k)
+        full = math.prod(self.alphas(k))  # P(all k drafts accepted) for this request
+        seconds = self.pair.iteration_seconds(k, full)
         return self.expected_tokens(k) / seconds if seconds > 0 else math.nan
 
     def _rate_or_zero(self, k: int) -> float:
