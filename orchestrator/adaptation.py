@@ -6,7 +6,8 @@ by every request, learns from the iterations the orchestrator already runs, with
 decaying weights (half-life HALF_LIFE iterations), so it follows a workload that changes:
 
   α_d     acceptance at draft depth d given depth d was reached (shrunk towards the pooled α),
-  W(k)    the measured wall time of an iteration that drafted k tokens (k = 0: target-only),
+  W(k)    the measured wall time of an iteration that drafted k tokens (k = 0: target-only), also
+          apart for pipelined iterations whose block was pre-drafted and those drafted afresh,
   T_p(n)  the verifier call's time for n positions (a line through the measured sizes),
   T_q     the drafter's time per drafted token,
   O       the rest of a speculative iteration (orchestration, transport, waits; below zero when
@@ -17,10 +18,14 @@ and picks k ∈ {0, …, k_max} maximising tokens per second, E[tokens | k] / W(
 
   E[tokens | k] = 1 + Σ_{i=1..k} Π_{d=1..i} α_d     (§7 with per-depth α: the pair's profile α_d
                                                     scaled to the request's own pooled rate)
-  W(k)          = measured W(k) where k ran recently (weight ≥ MIN_WEIGHT), else
+  W(k)          = p·W_pre(k) + (1 − p)·W_fresh(k)    (pipelined, both measured; p = the request's
+                                                    P(all k accepted) × the pair's rate of pre-drafts
+                                                    that came true after such an iteration), else
+                  measured W(k) where k ran recently (weight ≥ MIN_WEIGHT), else
                   k·T_q + T_p(k + 1) + O            (§7's timed denominator plus the overhead)
 
-so the model is exact at the lengths that ran and only extrapolates to the others. A request opens
+so the model is exact at the lengths that ran and only extrapolates to the others. Iterations that
+begin with a prefill (a prompt, a drafter's catch-up) teach acceptance but not times. A request opens
 with `opening` iterations at the pair's best non-zero k (its own acceptance shows only while it
 drafts) and then decides every DECIDE_EVERY iterations. At k = 0 a speculative probe, once the
 pair ran `probe_every` iterations without drafting, notices when speculation pays again; while
