@@ -6,8 +6,7 @@ by every request, learns from the iterations the orchestrator already runs, with
 decaying weights (half-life HALF_LIFE iterations), so it follows a workload that changes:
 
   α_d     acceptance at draft depth d given depth d was reached (shrunk towards the pooled α),
-  W(k)    the measured wall time of an iteration that drafted k tokens (k = 0: target-only), also
-          apart for pipelined iterations whose block was pre-drafted and those drafted afresh,
+  W(k)    the measured wall time of an iteration that drafted k tokens (k = 0: target-only),
   T_p(n)  the verifier call's time for n positions (a line through the measured sizes),
   T_q     the drafter's time per drafted token,
   O       the rest of a speculative iteration (orchestration, transport, waits; below zero when
@@ -18,10 +17,7 @@ and picks k ∈ {0, …, k_max} maximising tokens per second, E[tokens | k] / W(
 
   E[tokens | k] = 1 + Σ_{i=1..k} Π_{d=1..i} α_d     (§7 with per-depth α: the pair's profile α_d
                                                     scaled to the request's own pooled rate)
-  W(k)          = p·W_pre(k) + (1 − p)·W_fresh(k)    (pipelined, both measured; p = the request's
-                                                    P(all k accepted) × the pair's rate of pre-drafts
-                                                    that came true after such an iteration), else
-                  measured W(k) where k ran recently (weight ≥ MIN_WEIGHT), else
+  W(k)          = measured W(k) where k ran recently (weight ≥ MIN_WEIGHT), else
                   k·T_q + T_p(k + 1) + O            (§7's timed denominator plus the overhead)
 
 so the model is exact at the lengths that ran and only extrapolates to the others. Iterations that
@@ -87,11 +83,6 @@ class Observation:
     # times do not — every request's first iteration would otherwise charge both prompts' prefill to
     # W(k ≥ 1), and never to W(0), and bias the choice against drafting.
     steady: bool = True
-    # Pipelining: whether the iteration's block was pre-drafted during the last verify (then the
-    # drafter's time hid behind it), and whether the request's previous iteration accepted every
-    # draft (the only case where a pre-draft can come true).
-    pre_drafted: bool = False
-    after_full: bool = False
 
 
 def _count_depths(hits: list[_Mean], obs: Observation) -> None:
@@ -116,9 +107,6 @@ class PairEstimates:
     half_life: float = HALF_LIFE
     _hits: list[_Mean] = field(default_factory=list)  # per depth: accepted (1) or not (0)
     _wall: dict[int, _Mean] = field(default_factory=dict)  # per drafted length
-    _wall_pre: dict[int, _Mean] = field(default_factory=dict)  # per drafted length: block pre-drafted
-    _wall_fresh: dict[int, _Mean] = field(default_factory=dict)  # per drafted length: drafted afresh
-    _guess: _Mean = field(default_factory=_Mean)  # P(pre-drafted | the previous iteration accepted all)
     _verify: dict[int, _Mean] = field(default_factory=dict)  # per verified positions n = k + 1
     _draft_per_token: _Mean = field(default_factory=_Mean)
     _overhead: _Mean = field(default_factory=_Mean)
@@ -138,12 +126,9 @@ class PairEstimates:
         for mean in (
             *self._hits,
             *self._wall.values(),
-            *self._wall_pre.values(),
-            *self._wall_fresh.values(),
             *self._verify.values(),
             self._draft_per_token,
             self._overhead,
-            self._guess,
         ):
             mean.fade(decay)
         if k > 0:
@@ -155,9 +140,6 @@ class PairEstimates:
             self._verify.setdefault(k + 1, _Mean()).add(obs.verify_seconds)
         if k == 0:
             return
-        (self._wall_pre if obs.pre_drafted else self._wall_fresh).setdefault(k, _Mean()).add(obs.wall_seconds)
-        if obs.after_full:
-            self._guess.add(1.0 if obs.pre_drafted else 0.0)
         if obs.draft_seconds > 0:
             self._draft_per_token.add(obs.draft_seconds / k)
         model = self._model_seconds(k, overhead=0.0)
@@ -200,21 +182,8 @@ class PairEstimates:
         wall = self._wall.get(k)
         return wall.weight if wall is not None else 0.0
 
-    def iteration_seconds(self, k: int, full: float | None = None) -> float:
-        """W(k): measured where k ran recently enough, else the timed model (nan: nothing to go on).
-
-        With `full`, a request's P(all k drafts accepted), and both kinds of k-iterations measured:
-        p·W_pre(k) + (1 − p)·W_fresh(k), p = full · P(pre-drafted | previous all accepted). A
-        pipelined iteration whose block was pre-drafted costs about the verifier's pass, one drafted
-        afresh adds the drafter's; the pair's plain mean W(k) holds the mix of its requests, so it
-        flatters a request that accepts less than they do (chat beside code) and wrongs one that
-        accepts more.
-        """
-        pre, fresh = self._wall_pre.get(k), self._wall_fresh.get(k)
-        if (full is not None and k > 0 and pre is not None and fresh is not None and self._guess.weight > 0
-                and pre.weight >= MIN_WEIGHT and fresh.weight >= MIN_WEIGHT):
-            p = min(1.0, max(0.0, full)) * self._guess.value
-            return p * pre.value + (1.0 - p) * fresh.value
+    def iteration_seconds(self, k: int) -> float:
+        """W(k): measured where k ran recently enough, else the timed model (nan: nothing to go on)."""
         if self.weight(k) >= MIN_WEIGHT:
             return self._wall[k].value
         if k == 0:
@@ -273,8 +242,7 @@ class DraftLength:
         return tokens
 
     def tokens_per_second(self, k: int) -> float:
-        full = math.prod(self.alphas(k))  # P(all k drafts accepted) for this request
-        seconds = self.pair.iteration_seconds(k, full)
+        seconds = self.pair.iteration_seconds(k)
         return self.expected_tokens(k) / seconds if seconds > 0 else math.nan
 
     def _rate_or_zero(self, k: int) -> float:

@@ -381,9 +381,6 @@ class Orchestrator:
         # Decide what to draft; None: a target-only step (by method, k = 0, or no draft fits the context).
         plan = scheduling.plan_iteration(run, position, self._depth_cap(position))
         steady = sessions.lag(committed, drafting=plan is not None) <= STEADY_CATCH_UP
-        previous = run.iterations[-1] if run.iterations else None
-        after_full = previous is not None and 0 < previous.num_drafted == previous.accepted
-        used_before = run.stats.pre_drafts_used
         tree, outcome = DraftTree.empty(), None
         if plan is not None and await self._drafter_ready():
             record.k, record.heads = plan.k, plan.heads
@@ -405,11 +402,7 @@ class Orchestrator:
         if run.finish_reason is not None or record.method != run.method:
             pipeline.drop_predraft(run)  # the run ended, or a target-only step took its place
         account(run, record, tree=tree, outcome=outcome, emitted=emitted, started=started, timeline=timeline)
-        self._learn(run, record, Observation(
-            drafted=record.num_drafted, accepted=record.accepted, wall_seconds=record.end - record.start,
-            verify_seconds=timeline.verify_seconds(), draft_seconds=timeline.draft_seconds(), steady=steady,
-            pre_drafted=run.stats.pre_drafts_used > used_before, after_full=after_full,
-        ))
+        self._learn(run, record, timeline, steady=steady)
         self._report(record, probe, tree.max_depth)
 
     async def _draft(
@@ -461,15 +454,19 @@ class Orchestrator:
                                            start_k=config.default_k, probe_every=config.adaptive_probe_every)
         return run.draft_length
 
-    def _learn(self, run: Run, record: IterationRecord, observation: Observation) -> None:
+    def _learn(self, run: Run, record: IterationRecord, timeline: Timeline, *, steady: bool) -> None:
         """Every finished iteration of a sequence method teaches the pair's estimates (requests with a
         fixed k too), and an adaptive request's own acceptance; a step forced by a lost drafter, or
         a target-only step the request did not choose, says nothing about speculation. The times of
-        an iteration that began with a prefill (`observation.steady` False) are not a sample of W(k)."""
+        an iteration that began with a prefill (`steady` False) are not a sample of W(k)."""
         if record.fallback or run.tree_budget is not None or not adaptable(run.method, self.config):
             return
         if record.method != run.method and not run.adaptive:
             return
+        observation = Observation(
+            drafted=record.num_drafted, accepted=record.accepted, wall_seconds=record.end - record.start,
+            verify_seconds=timeline.verify_seconds(), draft_seconds=timeline.draft_seconds(), steady=steady,
+        )
         self._pair_estimates(run).observe(observation)
         if run.adaptive:
             self._draft_length(run).observe(observation)
