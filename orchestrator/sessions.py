@@ -131,6 +131,10 @@ class SessionMirror:
 
     held: list[int] = field(default_factory=list)
 
+    def behind(self, target: Sequence[int]) -> int:
+        """Tokens of `target` the service must still take in (after the common prefix it holds)."""
+        return len(target) - common_prefix(self.held, target)
+
     async def call(self, target: list[int], fn: SessionCall[T], on_gone: OnGone | None = None) -> T:
         """fn(base_len, append) so that the service holds `target`; resend all once on SessionGone
         (after `on_gone()`, which may raise instead)."""
@@ -178,10 +182,10 @@ class RunSessions:
     def lag(self, committed: Sequence[int], *, drafting: bool) -> int:
         """Committed tokens the verifier (and the drafter, when `drafting`) must first take in before
         the next pass: a request's prompt, a drafter's catch-up after target-only steps."""
-        lags = [len(committed) - common_prefix(self.verifier_mirror.held, committed)]
+        lag = self.verifier_mirror.behind(committed)
         if drafting and self.drafter is not None:
-            lags.append(len(committed) - common_prefix(self.drafter_mirror.held, committed))
-        return max(lags)
+            lag = max(lag, self.drafter_mirror.behind(committed))
+        return lag
 
     # drafter -----------------------------------------------------------------------------------
     async def draft(self, context: list[int], *, shape: Sequence[int], timeline: Timeline) -> DraftResult:
@@ -334,7 +338,7 @@ class RunSessions:
                 request.draft_probs = draft_probs
             return verifier.verify(request)
 
-        catch_up = len(committed) - common_prefix(self.verifier_mirror.held, committed)
+        catch_up = self.verifier_mirror.behind(committed)
         started = time.perf_counter()
         outcome = await self._verifier_call(committed, call, timeline)
         if self.watch is not None:

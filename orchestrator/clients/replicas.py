@@ -42,6 +42,7 @@ from specdec.engine.api import (
     VerifyRequest,
 )
 from specdec.generation import ChatMessage
+from specdec.rpc.grpc_support import format_address
 from specdec.rpc.security import ClientSecurity
 
 log = logging.getLogger(__name__)
@@ -68,14 +69,10 @@ def is_ip(host: str) -> bool:
     return True
 
 
-def join_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 async def resolve_all(host: str, port: int) -> list[str]:
     """Every address of `host` (sorted, without duplicates), as host:port endpoints."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({join_address(info[4][0], port) for info in infos})
+    return sorted({format_address(info[4][0], port) for info in infos})
 
 
 def rendezvous(key: str, endpoints: list[str]) -> str:
