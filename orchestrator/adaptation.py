@@ -13,11 +13,14 @@ decaying weights (half-life HALF_LIFE iterations), so it follows a workload that
           pipelining hides the drafter).
 
 `DraftLength`, one per request, keeps the request's own acceptance (code and prose differ a lot)
-and picks k ∈ {0, …, k_max} maximising tokens per second, E[tokens | k] / W(k), with
+and its own iteration times (pipelined, an iteration is cheap when the look-ahead before it came
+true, so W(k) falls with acceptance; the pair's mean, mostly code, flatters chat), and picks
+k ∈ {0, …, k_max} maximising tokens per second, E[tokens | k] / W(k), with
 
   E[tokens | k] = 1 + Σ_{i=1..k} Π_{d=1..i} α_d     (§7 with per-depth α: the pair's profile α_d
                                                     scaled to the request's own pooled rate)
-  W(k)          = measured W(k) where k ran recently (weight ≥ MIN_WEIGHT), else
+  W(k)          = the request's own mean at k with REQUEST_WALL_PRIOR pseudo-samples of the pair's:
+                  measured W(k) where k ran recently (weight ≥ MIN_WEIGHT), else
                   k·T_q + T_p(k + 1) + O            (§7's timed denominator plus the overhead)
 
 so the model is exact at the lengths that ran and only extrapolates to the others. Iterations that
@@ -42,6 +45,7 @@ HALF_LIFE = 64.0  # iterations of the pair
 MIN_WEIGHT = 2.0  # decayed samples before a measured W(k) replaces the model
 DEPTH_PRIOR = 16.0  # pseudo-samples pulling a depth's α towards the pair's pooled α
 REQUEST_PRIOR = 4.0  # pseudo-samples pulling a request's pooled α towards the pair's
+REQUEST_WALL_PRIOR = 2.0  # pseudo-samples pulling a request's own W(k) towards the pair's
 PRIOR_ALPHA = 0.6  # before any acceptance was seen
 PRIOR_SLOPE = 0.075  # T_p(n) ≈ T_p(1)·(1 + 0.075·(n − 1)) until two sizes were measured (int8 CPU)
 DECIDE_EVERY = 4  # a request's iterations between decisions (a pre-draft of the old length is dropped)
@@ -202,7 +206,9 @@ class DraftLength:
     probe_every: int = 64
     explore_every: int = 32
     opening: int = 2  # first iterations drafted whatever the pair says: the request's own acceptance
+    wall_prior: float = REQUEST_WALL_PRIOR  # pseudo-samples of the pair's W(k) in the request's own
     _hits: list[_Mean] = field(default_factory=list)
+    _wall: dict[int, _Mean] = field(default_factory=dict)  # the request's own steady W(k) samples
     _current: int = 0
     _since_decision: int = 0
     _since_explore: int = 0
@@ -224,6 +230,8 @@ class DraftLength:
         self._since_explore += 1
         if obs.drafted > 0:
             _count_depths(self._hits, obs)
+        if obs.steady:
+            self._wall.setdefault(obs.drafted, _Mean()).add(obs.wall_seconds)
 
     def alphas(self, k: int) -> list[float]:
         """The pair's per-depth profile α_d, scaled to this request's own pooled rate (itself with
@@ -241,8 +249,21 @@ class DraftLength:
             tokens += reach
         return tokens
 
+    def iteration_seconds(self, k: int) -> float:
+        """This request's W(k): its own steady iterations at k, with `wall_prior` pseudo-samples of the
+        pair's W(k). Pipelined, an iteration is cheap when the look-ahead before it came true (every
+        draft accepted, the bonus guessed), so W(k) falls with the request's own acceptance: a chat
+        request beside code pays more per iteration than the pair's mean says."""
+        pair = self.pair.iteration_seconds(k)
+        own = self._wall.get(k)
+        if own is None or own.weight == 0:
+            return pair
+        if not math.isfinite(pair):
+            return own.value
+        return (own.total + self.wall_prior * pair) / (own.weight + self.wall_prior)
+
     def tokens_per_second(self, k: int) -> float:
-        seconds = self.pair.iteration_seconds(k)
+        seconds = self.iteration_seconds(k)
         return self.expected_tokens(k) / seconds if seconds > 0 else math.nan
 
     def _rate_or_zero(self, k: int) -> float:

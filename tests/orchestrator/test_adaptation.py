@@ -183,22 +183,93 @@ def test_prompt_prefills_do_not_trap_drafting_requests_target_only(prefill_is_st
     the pair has gone target-only, the openings are its only samples of W(k ≥ 1): counted as times,
     the prefills make drafting look slow for good, even where it pays (the negative case; what the
     mixed-prompt benchmark showed on code before prefills were excluded)."""
-    rng = random.Random(8)
     code = Workload(alpha=0.8, t_q=0.045)  # drafting pays 17 % (c = 0.5, like the default pair on a CPU)
     assert code.rate(code.optimum(8)) > 1.15 * code.rate(0)
-    pair = PairEstimates()
     later: list[int] = []
-    for n in range(12):
-        request = DraftLength(pair, k_max=8, start_k=2)
-        chosen = [code.step(request, rng, 0.8, steady=prefill_is_steady)]
-        chosen += [code.step(request, rng) for _ in range(23)]
-        if n >= 6:
-            later += chosen[12:]
+    for seed in range(8, 14):  # six runs: a request's own unlucky drafts may keep it target-only a while
+        rng, pair = random.Random(seed), PairEstimates()
+        for n in range(12):
+            request = DraftLength(pair, k_max=8, start_k=2)
+            chosen = [code.step(request, rng, 0.8, steady=prefill_is_steady)]
+            chosen += [code.step(request, rng) for _ in range(23)]
+            if n >= 6:
+                later += chosen[12:]
     drafted = sum(1 for k in later if k > 0) / len(later)
     if prefill_is_steady:
         assert drafted < 0.5, later  # the bias this guards against
     else:
         assert drafted > 0.9, later
+
+
+@dataclass
+class PipelinedWorkload(Workload):
+    """Pipelined iterations: one whose draft the look-ahead made during the iteration before (that one
+    accepted every draft and its bonus token was guessed, at rate `guess`) waits only for the longer
+    of the verifier's pass and the next look-ahead; any other drafts first and pays `miss` seconds
+    more (an abandoned look-ahead's wait). So W(k) falls as a request's acceptance rises."""
+
+    guess: float = 0.7
+    miss: float = 0.02
+
+    def predrafted_wall(self, k: int) -> float:
+        return max(self.target(k + 1), 1.5 * k * self.t_q) + self.overhead
+
+    def fresh_wall(self, k: int) -> float:
+        return k * self.t_q + self.target(k + 1) + self.overhead + (self.miss if k else 0.0)
+
+    def wall(self, k: int) -> float:
+        """The mean iteration: predrafted with probability α^k · guess."""
+        hit = self.alpha**k * self.guess if k else 0.0
+        return hit * self.predrafted_wall(k) + (1.0 - hit) * self.fresh_wall(k)
+
+    def run_request(self, request: DraftLength, iterations: int, rng: random.Random) -> list[int]:
+        chosen, predrafted = [], None
+        for _ in range(iterations):
+            k = request.choose()
+            accepted = 0
+            while accepted < k and rng.random() < self.alpha:
+                accepted += 1
+            wall = self.predrafted_wall(k) if k and predrafted == k else self.fresh_wall(k)
+            predrafted = k if accepted == k and rng.random() < self.guess else None
+            observation = Observation(
+                drafted=k,
+                accepted=accepted,
+                wall_seconds=wall * (1.0 + self.noise * (2.0 * rng.random() - 1.0)),
+                verify_seconds=self.target(k + 1),
+                draft_seconds=k * self.t_q,
+            )
+            request.pair.observe(observation)
+            request.observe(observation)
+            chosen.append(k)
+        return chosen
+
+
+@pytest.mark.parametrize("own_times", [True, False])
+def test_a_request_weighs_its_own_iteration_times(own_times: bool) -> None:
+    """Chat beside code, pipelined: the pair's W(k) is a mean over both, and the code's look-aheads
+    come true more often, so it flatters chat, whose drafting loses. With its own times in W(k)
+    (`wall_prior` pseudo-samples of the pair's) a chat request stays near target-only; with the
+    pair's alone (the negative case: what the mixed-prompt benchmark showed) it drafts and loses."""
+    code = PipelinedWorkload(alpha=0.9, t_q=0.045)
+    chat = PipelinedWorkload(alpha=0.45, t_q=0.045, guess=0.6)
+    assert code.rate(code.optimum(8)) > 1.4 * code.rate(0)
+    assert chat.optimum(8) == 0 and chat.rate(1) < 0.95 * chat.rate(0)
+    chat_rates, code_rates = [], []
+    for seed in range(1, 5):
+        rng, pair = random.Random(seed), PairEstimates()
+        for n in range(16):  # code and chat requests of 30 iterations in turn; the last ten counted
+            prior = {"wall_prior": 2.0} if own_times else {"wall_prior": 1e9}
+            code_k = code.run_request(DraftLength(pair, k_max=8, start_k=2, **prior), 30, rng)
+            chat_k = chat.run_request(DraftLength(pair, k_max=8, start_k=2, **prior), 30, rng)
+            if n >= 6:
+                code_rates += [code.rate(k) for k in code_k[10:]]
+                chat_rates += [chat.rate(k) for k in chat_k[10:]]
+    chat_rate = sum(chat_rates) / len(chat_rates)
+    assert sum(code_rates) / len(code_rates) > 1.35 * code.rate(0)
+    if own_times:
+        assert chat_rate >= 0.98 * chat.rate(0)
+    else:
+        assert chat_rate < 0.98 * chat.rate(0)
 
 
 def test_a_new_request_starts_where_the_pair_points() -> None:
