@@ -38,15 +38,20 @@ class Workload:
     def optimum(self, k_max: int) -> int:
         return max(range(k_max + 1), key=self.rate)
 
+    def accepted(self, k: int, rng: random.Random) -> int:
+        """Drafts accepted out of k, i.i.d. at rate α up to the first rejection."""
+        accepted = 0
+        while accepted < k and rng.random() < self.alpha:
+            accepted += 1
+        return accepted
+
     def step(
         self, request: DraftLength, rng: random.Random, prefill: float = 0.0, *, steady: bool = True
     ) -> int:
         """One iteration of `request`: its choice, simulated, fed to it and to its pair (`prefill`
         seconds more for an iteration that first takes in a prompt)."""
         k = request.choose()
-        accepted = 0
-        while accepted < k and rng.random() < self.alpha:
-            accepted += 1
+        accepted = self.accepted(k, rng)
         jitter = lambda x: x * (1.0 + self.noise * (2.0 * rng.random() - 1.0))  # noqa: E731
         observation = Observation(
             drafted=k,
@@ -226,9 +231,7 @@ class PipelinedWorkload(Workload):
         chosen, predrafted = [], None
         for _ in range(iterations):
             k = request.choose()
-            accepted = 0
-            while accepted < k and rng.random() < self.alpha:
-                accepted += 1
+            accepted = self.accepted(k, rng)
             wall = self.predrafted_wall(k) if k and predrafted == k else self.fresh_wall(k)
             predrafted = k if accepted == k and rng.random() < self.guess else None
             observation = Observation(
@@ -304,10 +307,10 @@ def _orchestrator(model_dirs, draft: str, draft_sleep: float, target_sleep: floa
     )
 
 
-def _request(n: int, **fields):
+def _request(n: int, prompt: list[int] | None = None, **fields):
     from specdec.generation import GenerationRequest
 
-    return GenerationRequest(prompt_ids=[1, 2, 3], max_new_tokens=n, stop_token_ids=[], **fields)
+    return GenerationRequest(prompt_ids=prompt or [1, 2, 3], max_new_tokens=n, stop_token_ids=[], **fields)
 
 
 async def test_a_slow_drafter_turns_requests_target_only(model_dirs) -> None:
@@ -337,16 +340,10 @@ async def test_an_exact_drafter_gets_longer_drafts(model_dirs) -> None:
 async def test_only_the_prompt_iteration_is_unsteady(model_dirs, monkeypatch) -> None:
     """Through the loop: the first iteration (both engines take in the 40-token prompt) teaches
     acceptance but no time; every later one, pre-drafted or drafted afresh, is a timing sample."""
-    from orchestrator.adaptation import PairEstimates
-
     seen: list[Observation] = []
     original = PairEstimates.observe
     monkeypatch.setattr(PairEstimates, "observe", lambda self, obs: (seen.append(obs), original(self, obs)))
     orch = _orchestrator(model_dirs, "draft", draft_sleep=0.0, target_sleep=0.0)
-    from specdec.generation import GenerationRequest
-
-    prompt = [1 + i % 5 for i in range(40)]
-    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=12, stop_token_ids=[], k=2)
-    result = await orch.generate(request)
+    result = await orch.generate(_request(12, prompt=[1 + i % 5 for i in range(40)], k=2))
     assert len(seen) == len(result.iterations) > 2
     assert [obs.steady for obs in seen] == [False] + [True] * (len(seen) - 1)
