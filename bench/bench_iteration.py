@@ -126,7 +126,7 @@ async def run_requests(
                 request = GenerationRequest(
                     prompt=text,
                     max_new_tokens=max_new_tokens,
-                    seed=seed + i,
+                    seed=seed + i if k else None,  # k = 0: what `specdec generate` sends (online k)
                     k=k or None,
                     request_id=f"k{k}-p{i}-{seed}",
                 )
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default=DEFAULT_DRAFT_MODEL)
     parser.add_argument("--target", default=DEFAULT_TARGET_MODEL)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--k", type=int, action="append", help="draft lengths to run (0 = the default)")
+    parser.add_argument("--k", type=int, action="append",
+                        help="draft lengths to run (0 = the default: no k, no seed: the online draft length)")
     parser.add_argument("--prompts", type=int, default=4, help="HumanEval prompts plus two prose openings")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=1234)

@@ -6,7 +6,8 @@ by every request, learns from the iterations the orchestrator already runs, with
 decaying weights (half-life HALF_LIFE iterations), so it follows a workload that changes:
 
   α_d     acceptance at draft depth d given depth d was reached (shrunk towards the pooled α),
-  W(k)    the measured wall time of an iteration that drafted k tokens (k = 0: target-only),
+  W(k)    the measured wall time of an iteration at draft length k (k = 0: target-only),
+  h(k)    the share of iterations at k that drafted (pre-drafted only: the others were steps),
   T_p(n)  the verifier call's time for n positions (a line through the measured sizes),
   T_q     the drafter's time per drafted token,
   O       the rest of a speculative iteration (orchestration, transport, waits; below zero when
@@ -17,16 +18,22 @@ and its own iteration times (pipelined, an iteration is cheap when the look-ahea
 true, so W(k) falls with acceptance; the pair's mean, mostly code, flatters chat), and picks
 k ∈ {0, …, k_max} maximising tokens per second, E[tokens | k] / W(k), with
 
-  E[tokens | k] = 1 + Σ_{i=1..k} Π_{d=1..i} α_d     (§7 with per-depth α: the pair's profile α_d
-                                                    scaled to the request's own pooled rate)
+  E[tokens | k] = 1 + h(k)·Σ_{i=1..k} Π_{d=1..i} α_d   (§7 with per-depth α: the pair's profile α_d
+                                                    scaled to the request's own pooled rate; h(k)
+                                                    the share of iterations at k that drafted: 1
+                                                    with fresh drafts, below with pre-drafted only,
+                                                    where an iteration without a pre-draft is a
+                                                    target-only step beside a look-ahead)
   W(k)          = the request's own mean at k with REQUEST_WALL_PRIOR pseudo-samples of the pair's:
                   measured W(k) where k ran recently (weight ≥ MIN_WEIGHT), else
                   k·T_q + T_p(k + 1) + O            (§7's timed denominator plus the overhead)
 
-so the model is exact at the lengths that ran and only extrapolates to the others. Iterations that
-begin with a prefill (a prompt, a drafter's catch-up) teach acceptance but not times. A request opens
-with `opening` iterations at the pair's best non-zero k (its own acceptance shows only while it
-drafts) and then decides every DECIDE_EVERY iterations. At k = 0 a speculative probe, once the
+so the model is exact at the lengths that ran and only extrapolates to the others. k is the
+request's setting (Observation.setting): W(k) and h(k) count every iteration at it, drafted or
+not. Iterations that begin with a prefill (a prompt, a drafter's catch-up) teach acceptance but
+not times. A request opens with `opening` iterations (OPENING, PREDRAFTED_OPENING) at the pair's
+best non-zero k (its own acceptance shows only while it drafts) and then decides every
+DECIDE_EVERY iterations. At k = 0 a speculative probe, once the
 pair ran `probe_every` iterations without drafting, notices when speculation pays again; while
 drafting, every `explore_every` iterations one iteration at a neighbour whose measurement faded
 keeps W honest.
@@ -45,10 +52,16 @@ HALF_LIFE = 64.0  # iterations of the pair
 MIN_WEIGHT = 2.0  # decayed samples before a measured W(k) replaces the model
 DEPTH_PRIOR = 16.0  # pseudo-samples pulling a depth's α towards the pair's pooled α
 REQUEST_PRIOR = 4.0  # pseudo-samples pulling a request's pooled α towards the pair's
+SHARE_PRIOR = 4.0  # pseudo-samples pulling a length's drafted share towards the pair's pooled share
 REQUEST_WALL_PRIOR = 2.0  # pseudo-samples pulling a request's own W(k) towards the pair's
 PRIOR_ALPHA = 0.6  # before any acceptance was seen
 PRIOR_SLOPE = 0.075  # T_p(n) ≈ T_p(1)·(1 + 0.075·(n − 1)) until two sizes were measured (int8 CPU)
 DECIDE_EVERY = 4  # a request's iterations between decisions (a pre-draft of the old length is dropped)
+OPENING = 2  # a request's first iterations at the pair's best k ≥ 1, whatever the pair says
+# Pre-drafted only (orchestrator.pipeline): an opening iteration that finds no pre-draft is a target
+# step beside a look-ahead, not a fresh draft, so a longer opening costs little and lets a request
+# whose acceptance differs from the pair's (code beside chat) show it.
+PREDRAFTED_OPENING = 4
 SWITCH_GAIN = 1.03  # a new k must promise 3 % more tokens/s than the current one
 
 
@@ -87,6 +100,17 @@ class Observation:
     # times do not — every request's first iteration would otherwise charge both prompts' prefill to
     # W(k ≥ 1), and never to W(0), and bias the choice against drafting.
     steady: bool = True
+    # The draft length the request chose (None: `drafted`). It differs from `drafted` when a
+    # pre-drafted-only request had no pre-draft for its prefix and took a target-only step while the
+    # drafter looked ahead (orchestrator.pipeline): that step's time and yield belong to setting k.
+    setting: int | None = None
+    # The request's setting changed at this iteration: a pre-draft of the old length does not fit,
+    # so at a new setting the first iteration never drafts; it says nothing of the drafted share.
+    switched: bool = False
+
+    @property
+    def chosen(self) -> int:
+        return self.drafted if self.setting is None else self.setting
 
 
 def _count_depths(hits: list[_Mean], obs: Observation) -> None:
@@ -110,7 +134,8 @@ class PairEstimates:
 
     half_life: float = HALF_LIFE
     _hits: list[_Mean] = field(default_factory=list)  # per depth: accepted (1) or not (0)
-    _wall: dict[int, _Mean] = field(default_factory=dict)  # per drafted length
+    _wall: dict[int, _Mean] = field(default_factory=dict)  # per chosen length (Observation.chosen)
+    _drafted: dict[int, _Mean] = field(default_factory=dict)  # per chosen length ≥ 1: drafted (1) or not
     _verify: dict[int, _Mean] = field(default_factory=dict)  # per verified positions n = k + 1
     _draft_per_token: _Mean = field(default_factory=_Mean)
     _overhead: _Mean = field(default_factory=_Mean)
@@ -124,12 +149,13 @@ class PairEstimates:
         """Fold in one iteration. Every estimate fades at each of the pair's iterations (not only
         at those that update it), so a rarely measured quantity — T_q while the pair runs
         target-only — is carried by its fresh samples once they come."""
-        k = obs.drafted
-        self.since_speculative = 0 if k > 0 else self.since_speculative + 1
+        k, chosen = obs.drafted, obs.chosen
+        self.since_speculative = 0 if chosen > 0 else self.since_speculative + 1
         decay = self.decay
         for mean in (
             *self._hits,
             *self._wall.values(),
+            *self._drafted.values(),
             *self._verify.values(),
             self._draft_per_token,
             self._overhead,
@@ -137,12 +163,14 @@ class PairEstimates:
             mean.fade(decay)
         if k > 0:
             _count_depths(self._hits, obs)
+        if chosen > 0 and not obs.switched:
+            self._drafted.setdefault(chosen, _Mean()).add(1.0 if k > 0 else 0.0)
         if not obs.steady:
             return
-        self._wall.setdefault(k, _Mean()).add(obs.wall_seconds)
+        self._wall.setdefault(chosen, _Mean()).add(obs.wall_seconds)
         if obs.verify_seconds > 0:
             self._verify.setdefault(k + 1, _Mean()).add(obs.verify_seconds)
-        if k == 0:
+        if k == 0 or k != chosen:
             return
         if obs.draft_seconds > 0:
             self._draft_per_token.add(obs.draft_seconds / k)
@@ -152,6 +180,15 @@ class PairEstimates:
 
     def pooled_alpha(self) -> float:
         return _pooled(self._hits, PRIOR_ALPHA, 1e-9 if self._hits else 1.0)
+
+    def drafted_share(self, k: int) -> float:
+        """The share of iterations at chosen length k that drafted (1 when every one drafts: fresh
+        drafts; below when only pre-drafts are verified), with SHARE_PRIOR pseudo-samples of the
+        share pooled over every length (itself with SHARE_PRIOR of PRIOR_ALPHA: one miss in a
+        request's first iterations must not read as "never drafts")."""
+        pooled = _pooled(list(self._drafted.values()), PRIOR_ALPHA, SHARE_PRIOR)
+        mean = self._drafted.get(k, _Mean())
+        return (mean.total + SHARE_PRIOR * pooled) / (mean.weight + SHARE_PRIOR)
 
     def alphas(self, k: int) -> list[float]:
         """α_1..α_k: each depth's rate with DEPTH_PRIOR pseudo-samples of the pooled rate, so depths
@@ -205,11 +242,14 @@ class DraftLength:
     start_k: int
     probe_every: int = 64
     explore_every: int = 32
-    opening: int = 2  # first iterations drafted whatever the pair says: the request's own acceptance
+    opening: int = OPENING  # first iterations drafted whatever the pair says: the request's own acceptance
     wall_prior: float = REQUEST_WALL_PRIOR  # pseudo-samples of the pair's W(k) in the request's own
     _hits: list[_Mean] = field(default_factory=list)
     _wall: dict[int, _Mean] = field(default_factory=dict)  # the request's own steady W(k) samples
+    _drafted: dict[int, _Mean] = field(default_factory=dict)  # its own drafted shares per chosen k
     _current: int = 0
+    _last_choice: int | None = None
+    switched: bool = False  # the last choose() returned another length than the one before (or none)
     _since_decision: int = 0
     _since_explore: int = 0
 
@@ -230,8 +270,10 @@ class DraftLength:
         self._since_explore += 1
         if obs.drafted > 0:
             _count_depths(self._hits, obs)
+        if obs.chosen > 0 and not obs.switched:
+            self._drafted.setdefault(obs.chosen, _Mean()).add(1.0 if obs.drafted > 0 else 0.0)
         if obs.steady:
-            self._wall.setdefault(obs.drafted, _Mean()).add(obs.wall_seconds)
+            self._wall.setdefault(obs.chosen, _Mean()).add(obs.wall_seconds)
 
     def alphas(self, k: int) -> list[float]:
         """The pair's per-depth profile α_d, scaled to this request's own pooled rate (itself with
@@ -241,13 +283,24 @@ class DraftLength:
         scale = own / pair_pooled if pair_pooled > 0 else 1.0
         return [min(1.0, a * scale) for a in self.pair.alphas(k)]
 
+    def drafted_share(self, k: int) -> float:
+        """h(k): the share of this request's iterations at k that drafted, with REQUEST_PRIOR
+        pseudo-samples of the pair's (pre-drafted only, the others are target-only steps)."""
+        pair = self.pair.drafted_share(k)
+        own = self._drafted.get(k)
+        if own is None:
+            return pair
+        return (own.total + REQUEST_PRIOR * pair) / (own.weight + REQUEST_PRIOR)
+
     def expected_tokens(self, k: int) -> float:
-        """E[tokens | k] = 1 + Σ_{i≤k} Π_{d≤i} α_d."""
-        tokens, reach = 1.0, 1.0
+        """E[tokens | k] = 1 + h(k)·Σ_{i≤k} Π_{d≤i} α_d (h = 1 when every iteration drafts)."""
+        if k == 0:
+            return 1.0
+        drafted, reach = 0.0, 1.0
         for alpha in self.alphas(k):
             reach *= alpha
-            tokens += reach
-        return tokens
+            drafted += reach
+        return 1.0 + self.drafted_share(k) * drafted
 
     def iteration_seconds(self, k: int) -> float:
         """This request's W(k): its own steady iterations at k, with `wall_prior` pseudo-samples of the
@@ -279,6 +332,13 @@ class DraftLength:
         return max(known, key=lambda k: (known[k], -k))
 
     def choose(self) -> int:
+        """The draft length of the next iteration (0: a target-only step); see `_choose`."""
+        k = self._choose()
+        self.switched = k != self._last_choice  # a request's first iteration has no pre-draft either
+        self._last_choice = k
+        return k
+
+    def _choose(self) -> int:
         """The draft length of the next iteration (0: a target-only step).
 
         Mostly the current choice, re-decided every DECIDE_EVERY iterations. Two exceptions keep

@@ -70,6 +70,12 @@ class OrchestratorConfig(BaseSettings):
     # pair say is fastest, re-picked as they run; default_k is where it starts. Sequence methods
     # (token, block, ersd without a tree). Seeded requests keep default_k so they replay exactly.
     adaptive_k: bool = True
+    # Pre-drafted only (orchestrator.pipeline, "Pre-drafted only"): an adaptive pipelined request
+    # verifies a draft only when its look-ahead's pre-draft came true; otherwise the iteration is a
+    # target-only step while the drafter looks ahead from the new prefix, so no iteration waits for
+    # a fresh draft (on the default int8 pair one costs ~1.7 target steps; bench/RESULTS.md). False:
+    # draft afresh after a miss, as requests with a fixed k do.
+    predrafted_only: bool = True
     # At k = 0, a speculative iteration after this many target-only steps of the pair (all requests)
     # checks whether drafting pays again (each probe costs the drafter's catch-up over the context).
     adaptive_probe_every: int = Field(64, ge=1)

@@ -33,6 +33,17 @@ made only decides whether the block is pre-drafted or drafted afresh. With a see
 sequential runs even emit the same tokens (up to floating-point differences of the drafter's
 batched passes, which can move a sampled draft token but never the output's law).
 
+Pre-drafted only (config `predrafted_only`, requests whose draft length is picked online). A
+block is verified only when a pre-draft for the committed prefix came true. Otherwise the iteration
+is a target-only step, and meanwhile the drafter looks ahead from that prefix: it guesses the
+step's token and drafts after each guess, so the next iteration finds a pre-draft when a guess comes
+true. No iteration then waits for a fresh draft after a miss (drafter catch-up, k passes, then the
+verifier's), and the drafter stays in step with the committed text, so a request that drafts opens
+at no extra cost: the drafter takes in the prompt while the verifier does. Exact for the same
+reason as the look-ahead: whether an iteration drafts is decided from the committed prefix and the
+drafter's own guesses, before anything of that iteration is verified, and the block verified is
+exactly a fresh draft from its prefix (docs/algorithms.md §8).
+
 Adaptive draft length (`pipeline_max_k` > 0; methods whose record has `adaptive_length`: token
 and ersd). The look-ahead drafts one token after each guess, then the first bonus guess's block
 keeps growing, one token per drafter call, until the verifier answers (or the cap is reached);
@@ -118,6 +129,12 @@ def take_predraft(run: Run, committed: list[int], k: int) -> DraftResult | None:
     return predraft.draft
 
 
+def has_predraft(run: Run, committed: list[int], k: int) -> bool:
+    """Whether the run holds a pre-draft of k tokens whose context came true (take_predraft takes it)."""
+    predraft = run.predraft
+    return predraft is not None and predraft.context == committed and len(predraft.draft.tokens) == k
+
+
 def drop_predraft(run: Run) -> None:
     if run.predraft is not None:
         run.predraft = None
@@ -158,8 +175,9 @@ async def verify_and_look_ahead(
     """Await `verify` (block n = tree after committed) while pre-drafting block n+1 of next_k
     tokens; keeps on `run.predraft` the block whose guess came true, if any."""
     abandon, answered = asyncio.Event(), asyncio.Event()
-    look_ahead = predraft(run, sessions, committed + list(tree.tokens), next_k, timeline=timeline,
-                          abandon=abandon, grow_until=answered if adaptive(run) else None)
+    rejections = rejection_guesses(run) if len(tree) else 0  # a target-only step has no block to reject
+    look_ahead = predraft(run, sessions, committed + list(tree.tokens), next_k, rejections=rejections,
+                          timeline=timeline, abandon=abandon, grow_until=answered if adaptive(run) else None)
     task = asyncio.create_task(look_ahead)
     try:
         outcome = await verify
@@ -170,7 +188,7 @@ async def verify_and_look_ahead(
         raise
     answered.set()
     # A guess can come true only if every draft before the last guessed position was accepted.
-    guessed_from = len(tree) - (1 if rejection_guesses(run) else 0)
+    guessed_from = len(tree) - (1 if rejections else 0)
     if len(outcome.accepted_nodes) < guessed_from:
         abandon.set()
         sessions.defer(task)  # the next drafter call waits for it
@@ -193,7 +211,7 @@ async def verify_and_look_ahead(
 
 
 async def predraft(
-    run: Run, sessions: RunSessions, context: list[int], k: int, *, timeline: Timeline,
+    run: Run, sessions: RunSessions, context: list[int], k: int, *, rejections: int, timeline: Timeline,
     abandon: asyncio.Event, grow_until: asyncio.Event | None = None,
 ) -> list[PreDraft]:
     """Guess what the verifier commits after `context` and draft k tokens after each guess.
@@ -204,7 +222,7 @@ async def predraft(
     """
     first_k = 1 if grow_until is not None else k
     result = await sessions.lookahead(context, k=first_k, bonus_guesses=bonus_guesses(run, first_k),
-                                      rejection_guesses=rejection_guesses(run), timeline=timeline)
+                                      rejection_guesses=rejections, timeline=timeline)
     if abandon.is_set():
         return []
     ranks = {False: 0, True: 0}

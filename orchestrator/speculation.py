@@ -31,6 +31,8 @@ import torch
 from orchestrator import health, pipeline, scheduling
 from orchestrator.accounting import CALIBRATION_FLUSH_ITERATIONS, account, flush_calibration
 from orchestrator.adaptation import (
+    OPENING,
+    PREDRAFTED_OPENING,
     STEADY_CATCH_UP,
     DrafterCallTimes,
     DraftLength,
@@ -381,25 +383,32 @@ class Orchestrator:
         # Decide what to draft; None: a target-only step (by method, k = 0, or no draft fits the context).
         plan = scheduling.plan_iteration(run, position, self._depth_cap(position))
         steady = sessions.lag(committed, drafting=plan is not None) <= STEADY_CATCH_UP
-        tree, outcome = DraftTree.empty(), None
+        tree, outcome, looked_ahead = DraftTree.empty(), None, False
         if plan is not None and await self._drafter_ready():
             record.k, record.heads = plan.k, plan.heads
             try:
-                tree, probs = await self._draft(run, sessions, committed, plan, timeline)
-                outcome = await self._verify(run, sessions, committed, tree, probs, plan, timeline)
+                if self._awaits_predraft(run, plan, committed):
+                    looked_ahead = True
+                    outcome = await self._step_looking_ahead(run, sessions, committed, timeline)
+                else:
+                    tree, probs = await self._draft(run, sessions, committed, plan, timeline)
+                    outcome = await self._verify(run, sessions, committed, tree, probs, plan, timeline)
             except DrafterDown as exc:  # nothing was verified: drop the attempt
                 self._drafter_lost(exc.cause)
-        if outcome is None:  # target-only, by plan or because the drafter is away (record.fallback)
+        if outcome is None or looked_ahead:  # target-only: by plan, pre-drafted only, or drafter away
             tree = DraftTree.empty()
-            record.method, record.k, record.heads = "autoregressive", 0, None
-            record.fallback = plan is not None
+            # A step while the drafter looked ahead keeps the k it asked for (num_drafted says 0).
+            record.method, record.heads = "autoregressive", None
+            record.k = record.k if looked_ahead else 0
+            record.fallback = plan is not None and not looked_ahead
+        if outcome is None:
             outcome = await self._target_only(sessions, committed, timeline)
         if not outcome.tokens:
             raise RuntimeError("verifier emitted no token")
         # Accept what the verifier emitted, up to the first stop condition.
         emitted = await absorb(run, outcome.tokens, decode=self.verifier.decode,
                                max_context=self._max_context())
-        if run.finish_reason is not None or record.method != run.method:
+        if run.finish_reason is not None or (record.method != run.method and not looked_ahead):
             pipeline.drop_predraft(run)  # the run ended, or a target-only step took its place
         account(run, record, tree=tree, outcome=outcome, emitted=emitted, started=started, timeline=timeline)
         self._learn(run, record, timeline, steady=steady)
@@ -434,6 +443,25 @@ class Orchestrator:
         return await pipeline.verify_and_look_ahead(run, sessions, committed, tree, verify, next_k=next_k,
                                                     timeline=timeline, on_drafter_lost=self._drafter_lost)
 
+    def _awaits_predraft(self, run: Run, plan: scheduling.Plan, committed: list[int]) -> bool:
+        """A pre-drafted-only request without a pre-draft for this prefix takes a target-only step
+        while the drafter looks ahead (pipeline.py, "Pre-drafted only")."""
+        return (self.config.predrafted_only and run.adaptive and plan.pipelined and plan.heads is None
+                and not pipeline.adaptive(run) and not pipeline.has_predraft(run, committed, len(plan.shape)))
+
+    async def _step_looking_ahead(
+        self, run: Run, sessions: RunSessions, committed: list[int], timeline: Timeline
+    ) -> VerifyOutcome:
+        """A target-only step; meanwhile the drafter guesses its token and drafts run.k after each."""
+        pipeline.drop_predraft(run)  # a pre-draft of another prefix or length
+        step = self._target_only(sessions, committed, timeline)
+        next_k = pipeline.next_block(run, committed, DraftTree.empty(), 0, self._depth_cap)
+        if not next_k:
+            return await step
+        return await pipeline.verify_and_look_ahead(run, sessions, committed, DraftTree.empty(), step,
+                                                    next_k=next_k, timeline=timeline,
+                                                    on_drafter_lost=self._drafter_lost)
+
     async def _target_only(
         self, sessions: RunSessions, committed: list[int], timeline: Timeline
     ) -> VerifyOutcome:
@@ -450,8 +478,10 @@ class Orchestrator:
     def _draft_length(self, run: Run) -> DraftLength:
         if run.draft_length is None:
             config = self.config
+            predrafted = config.predrafted_only and run.pipeline
             run.draft_length = DraftLength(self._pair_estimates(run), k_max=config.max_k,
-                                           start_k=config.default_k, probe_every=config.adaptive_probe_every)
+                                           start_k=config.default_k, probe_every=config.adaptive_probe_every,
+                                           opening=PREDRAFTED_OPENING if predrafted else OPENING)
         return run.draft_length
 
     def _learn(self, run: Run, record: IterationRecord, timeline: Timeline, *, steady: bool) -> None:
@@ -466,6 +496,8 @@ class Orchestrator:
         observation = Observation(
             drafted=record.num_drafted, accepted=record.accepted, wall_seconds=record.end - record.start,
             verify_seconds=timeline.verify_seconds(), draft_seconds=timeline.draft_seconds(), steady=steady,
+            setting=run.k if run.adaptive else None,
+            switched=run.adaptive and self._draft_length(run).switched,
         )
         self._pair_estimates(run).observe(observation)
         if run.adaptive:

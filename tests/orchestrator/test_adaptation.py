@@ -275,6 +275,93 @@ def test_a_request_weighs_its_own_iteration_times(own_times: bool) -> None:
         assert chat_rate < 0.98 * chat.rate(0)
 
 
+@dataclass
+class PredraftedOnlyWorkload(Workload):
+    """Pre-drafted only (orchestrator.pipeline): at setting k ≥ 1 an iteration drafts only when the
+    look-ahead before it came true — after a drafted iteration that accepted all k drafts and whose
+    bonus token was guessed (rate `guess`), or after a step whose token was guessed (`step_guess`);
+    else it is a target-only step. Either waits for the longer of the verifier's pass and the
+    drafter's look-ahead, (k + 1) passes of t_q."""
+
+    guess: float = 0.8
+    step_guess: float = 0.8
+
+    def look_ahead(self, k: int) -> float:
+        return (k + 1) * self.t_q if k else 0.0
+
+    def drafted_wall(self, k: int) -> float:
+        return max(self.target(k + 1), self.look_ahead(k)) + self.overhead
+
+    def step_wall(self, k: int) -> float:
+        return max(self.target(1), self.look_ahead(k)) + self.overhead
+
+    def drafted_share(self, k: int) -> float:
+        """The stationary share h of drafted iterations: h = h·αᵏ·guess + (1 − h)·step_guess."""
+        if k == 0:
+            return 0.0
+        stay = self.alpha**k * self.guess
+        return self.step_guess / (1.0 - stay + self.step_guess)
+
+    def rate(self, k: int) -> float:
+        h = self.drafted_share(k)
+        tokens = h * expected_tokens_per_iteration(self.alpha, k) + (1.0 - h)
+        return tokens / (h * self.drafted_wall(k) + (1.0 - h) * self.step_wall(k))
+
+    def run_request(self, request: DraftLength, iterations: int, rng: random.Random, *,
+                    by_setting: bool = True) -> list[int]:
+        chosen, predrafted = [], None
+        for _ in range(iterations):
+            k = request.choose()
+            drafted = k if k and predrafted == k else 0
+            accepted = self.accepted(drafted, rng)
+            wall = self.drafted_wall(k) if drafted else self.step_wall(k)
+            came_true = rng.random() < (self.guess if drafted else self.step_guess)
+            predrafted = k if k and accepted == drafted and came_true else None
+            observation = Observation(
+                drafted=drafted,
+                accepted=accepted,
+                wall_seconds=wall * (1.0 + self.noise * (2.0 * rng.random() - 1.0)),
+                verify_seconds=self.target(drafted + 1),
+                draft_seconds=self.look_ahead(k),
+                setting=k if by_setting else None,
+                switched=request.switched,
+            )
+            request.pair.observe(observation)
+            request.observe(observation)
+            chosen.append(k)
+        return chosen
+
+
+@pytest.mark.parametrize(
+    "alpha, t_q, best",
+    [
+        (0.85, 0.05, 1),  # code-like on a CPU: a 2-pass look-ahead about fits in the verifier's pass
+        (0.95, 0.02, 5),  # a fast, accurate drafter: longer pre-drafts still fit
+        (0.5, 0.07, 0),  # chat-like, slow drafter: waiting for the look-ahead loses
+    ],
+)
+def test_predrafted_only_settles_on_its_optimum(alpha: float, t_q: float, best: int) -> None:
+    """Iterations at k that only sometimes draft: E[tokens | k] counts the drafted share h(k), and
+    W(k) their mixture with the steps at k, so the controller lands on the analytic optimum."""
+    work = PredraftedOnlyWorkload(alpha=alpha, t_q=t_q)
+    assert work.optimum(8) == best
+    chosen = work.run_request(DraftLength(PairEstimates(), k_max=8, start_k=2), 600, random.Random(5))
+    assert work.rate(settled(chosen)) >= 0.95 * work.rate(best), chosen[-100:]  # SWITCH_GAIN, noise
+
+
+def test_predrafted_only_steps_are_not_target_only_samples() -> None:
+    """Negative case: the steps of a pre-drafted-only request filed as k = 0 samples (no `setting`)
+    make target-only look as slow as the look-ahead they waited for, and hide the iterations at k
+    that did not draft: the controller then drafts where target-only is faster."""
+    work = PredraftedOnlyWorkload(alpha=0.5, t_q=0.07)
+    assert work.rate(1) < 0.9 * work.rate(0)
+    for by_setting, expect_target_only in ((True, True), (False, False)):
+        chosen = work.run_request(DraftLength(PairEstimates(), k_max=8, start_k=2), 400, random.Random(6),
+                                  by_setting=by_setting)
+        tail = chosen[-100:]
+        assert (tail.count(0) >= 80) == expect_target_only, tail
+
+
 def test_a_new_request_starts_where_the_pair_points() -> None:
     pair = PairEstimates()
     work = Workload(alpha=0.9, t_q=0.01)
@@ -303,7 +390,7 @@ def _orchestrator(model_dirs, draft: str, draft_sleep: float, target_sleep: floa
     return Orchestrator(
         InProcessDrafterClient(drafter),
         InProcessVerifierClient(verifier),
-        OrchestratorConfig(pipeline=False, **config),
+        OrchestratorConfig(**{"pipeline": False, **config}),
     )
 
 
@@ -347,3 +434,23 @@ async def test_only_the_prompt_iteration_is_unsteady(model_dirs, monkeypatch) ->
     result = await orch.generate(_request(12, prompt=[1 + i % 5 for i in range(40)], k=2))
     assert len(seen) == len(result.iterations) > 2
     assert [obs.steady for obs in seen] == [False] + [True] * (len(seen) - 1)
+
+
+@pytest.mark.parametrize("predrafted_only", [True, False])
+async def test_pipelined_requests_verify_only_pre_drafts(model_dirs, predrafted_only: bool) -> None:
+    """Pre-drafted only, through the loop: every drafted iteration verifies a look-ahead's block, and
+    an iteration without one is a target-only step (not a fallback) while the drafter looks ahead —
+    the first iteration among them, so the drafter takes in the prompt beside the verifier. Without
+    it (the negative case) the first iteration and every one after a miss draft afresh."""
+    orch = _orchestrator(model_dirs, "target", draft_sleep=0.0, target_sleep=0.01, pipeline=True,
+                         predrafted_only=predrafted_only)
+    result = await orch.generate(_request(40))
+    assert len(result.token_ids) == 40
+    drafted = [r for r in result.iterations if r.drafted]
+    steps = [r for r in result.iterations if not r.drafted]
+    assert drafted and not any(r.fallback for r in result.iterations)
+    if predrafted_only:
+        assert result.stats.pre_drafts_used == len(drafted)
+        assert steps and not result.iterations[0].drafted
+    else:
+        assert result.stats.pre_drafts_used < len(drafted) and result.iterations[0].drafted

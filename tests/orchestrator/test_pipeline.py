@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from itertools import zip_longest
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -273,6 +274,57 @@ async def test_pipelined_output_is_distributed_as_the_target(fidelity_pair, meth
     assert min(joint, first_p) > P_THRESHOLD, f"{method}: chi-square p = {joint:.2e} / {first_p:.2e}"
     used = sum(s.pre_drafts_used for s in stats)
     assert used > SAMPLES // 10, f"pre-drafts used in only {used} of {SAMPLES} requests"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, broken", [("token", False), ("ersd", False), ("token", True)],
+                         ids=["token", "ersd", "token-broken"])
+async def test_predrafted_only_output_is_distributed_as_the_target(
+    fidelity_pair, method, broken, monkeypatch
+):
+    """Requests whose draft length is picked online (no k, no seed) verify a block only when a
+    look-ahead pre-drafted it, and take target-only steps while the drafter looks ahead otherwise
+    (pipeline.py, "Pre-drafted only"); both kinds must be in the sample. An unseeded request draws
+    its seed from `secrets`: a counter here, so every request's streams are distinct and known.
+
+    Negative case (`broken`): the same loop, but a pre-draft is verified only when its first token is
+    not 0 — the choice to draft now reads the draft's value, which biases token verification (the
+    verified drafts no longer follow q), and the chi-square test must fail. Its drafter is a copy of
+    the target, so that many iterations draft (the bias shows only in those)."""
+    import orchestrator.run as run_module
+
+    seeds = iter(range(13_000_000 + 1_000_000 * ["token", "ersd"].index(method), 14_000_000 + 10**6))
+    monkeypatch.setattr(run_module, "secrets", SimpleNamespace(randbits=lambda bits: next(seeds)))
+    if broken:
+        honest = pipeline.has_predraft
+        monkeypatch.setattr(pipeline, "has_predraft", lambda run, committed, k: honest(run, committed, k)
+                            and run.predraft.draft.tokens[0] != 0)
+    target, verifier, drafter = fidelity_pair
+    if broken:
+        drafter = DrafterEngine(load_model(target.directory, threads=1))
+    orch = Orchestrator(InProcessDrafterClient(drafter), InProcessVerifierClient(verifier),
+                        OrchestratorConfig(pipeline=True))
+    kinds = {"drafted": 0, "steps": 0}
+
+    async def one() -> tuple:
+        result = await orch.generate(GenerationRequest(
+            prompt_ids=PROMPT, max_new_tokens=4, sampling=SAMPLE, method=method, stop_token_ids=[]))
+        drafted = sum(r.drafted for r in result.iterations)
+        assert result.stats.pre_drafts_used == drafted  # never a fresh draft
+        kinds["drafted"] += drafted
+        kinds["steps"] += len(result.iterations) - drafted
+        return tuple(result.token_ids[:3])
+
+    samples: list[tuple] = []
+    for _ in range(0, SAMPLES, 8):
+        samples += await asyncio.gather(*(one() for _ in range(8)))
+    exact = exact_distribution(target.model, PROMPT, SamplingParams(1.0), 6)
+    joint, first_p = p_values(samples, exact)
+    assert min(kinds.values()) > SAMPLES // 10, kinds
+    if broken:
+        assert min(joint, first_p) < P_THRESHOLD, f"a draft-dependent choice passed: p = {joint:.2e}"
+    else:
+        assert min(joint, first_p) > P_THRESHOLD, f"{method}: chi-square p = {joint:.2e} / {first_p:.2e}"
 
 
 # ------------------------------------------------------------------------------------------------
