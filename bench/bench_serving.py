@@ -81,7 +81,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -294,6 +294,22 @@ def hf_generation_config(sampling: Sampling) -> dict[str, Any]:
     }
 
 
+async def sse_lines(response: Any) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream, split where SSE splits them (LF, CRLF) only.
+
+    httpx's `aiter_lines` splits like str.splitlines, also at U+0085, U+2028 and U+2029, which a JSON
+    encoder may leave raw inside a string: a model's text holding one (random bytes from a tiny
+    model, say) broke its event in two and the harness counted a JSONDecodeError."""
+    buffer = b""
+    async for chunk in response.aiter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r").decode("utf-8", errors="replace")
+    if buffer:
+        yield buffer.removesuffix(b"\r").decode("utf-8", errors="replace")
+
+
 class HfServeConnection:
     """One HTTP connection to transformers serve; POST /v1/completions with SSE streaming."""
 
@@ -319,13 +335,16 @@ class HfServeConnection:
             if r.status_code != 200:
                 detail = (await r.aread()).decode(errors="replace")[:300]
                 raise RuntimeError(f"HTTP {r.status_code}: {detail}")
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                message = json.loads(data)
+                try:
+                    message = json.loads(data)
+                except json.JSONDecodeError:
+                    raise RuntimeError(f"not a JSON event: {data[:200]!r}") from None
                 if "error" in message:
                     raise RuntimeError(f"server error event: {message['error']}")
                 choices = message.get("choices") or [{}]

@@ -29,6 +29,7 @@ from bench.bench_serving import (  # noqa: E402
     prompt_cycle,
     render,
     run_level,
+    sse_lines,
     summarize,
 )
 
@@ -147,6 +148,23 @@ def test_closed_loop_clients_stop_on_time_and_bound_the_drain() -> None:
     assert all(r.start < 0.3 for r in run.records)  # nothing starts after the level's time
     s = summarize(run.records, run.elapsed, {})
     assert s["requests"] == len(done) and s["errors"] == len(run.records) - len(done)
+
+
+async def test_sse_lines_split_only_where_server_sent_events_do() -> None:
+    """A completion whose text holds U+2028 or U+0085 (a JSON encoder may leave them raw) stays one
+    event, also across chunk boundaries; str.splitlines, which httpx's aiter_lines follows, cuts it."""
+    event = "data: " + json.dumps({"choices": [{"text": "a\u2028b\x85c"}]}, ensure_ascii=False)
+    stream = (event + "\r\n\ndata: [DONE]\n\n").encode()
+
+    class Response:
+        async def aiter_bytes(self):
+            for i in range(0, len(stream), 7):
+                yield stream[i:i + 7]
+
+    lines = [line async for line in sse_lines(Response())]
+    assert lines == [event, "", "data: [DONE]", ""]
+    assert json.loads(lines[0][5:])["choices"][0]["text"] == "a\u2028b\x85c"
+    assert len(event.splitlines()) == 3  # the split that broke it
 
 
 def test_prompt_cycle_is_shared_and_numbers_requests() -> None:
