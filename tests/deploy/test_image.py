@@ -77,6 +77,9 @@ def test_environment_is_offline_and_points_at_the_model_volume() -> None:
     env = image_env()
     assert env["HF_HUB_OFFLINE"] == "1"
     assert env["SPECDEC_HOME"] == chart_values()["models"]["mountPath"]
+    from orchestrator.processes import CHILD_ENV_DEFAULTS  # the pods' processes get what `up` gives
+
+    assert env["MALLOC_ARENA_MAX"] == CHILD_ENV_DEFAULTS["MALLOC_ARENA_MAX"]
 
 
 def test_entrypoint_is_specdec_and_the_chart_ports_are_exposed() -> None:
