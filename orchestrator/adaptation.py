@@ -121,6 +121,12 @@ def _count_depths(hits: list[_Mean], obs: Observation) -> None:
         hits[d].add(1.0 if d < obs.accepted else 0.0)
 
 
+def _count_share(drafted: dict[int, _Mean], obs: Observation) -> None:
+    """One trial of the drafted share at the chosen length ≥ 1, unless the length just changed."""
+    if obs.chosen > 0 and not obs.switched:
+        drafted.setdefault(obs.chosen, _Mean()).add(1.0 if obs.drafted > 0 else 0.0)
+
+
 def _pooled(hits: list[_Mean], prior: float, prior_weight: float) -> float:
     """The rate over every depth, with `prior_weight` pseudo-samples of `prior`."""
     total = sum(m.total for m in hits)
@@ -163,8 +169,7 @@ class PairEstimates:
             mean.fade(decay)
         if k > 0:
             _count_depths(self._hits, obs)
-        if chosen > 0 and not obs.switched:
-            self._drafted.setdefault(chosen, _Mean()).add(1.0 if k > 0 else 0.0)
+        _count_share(self._drafted, obs)
         if not obs.steady:
             return
         self._wall.setdefault(chosen, _Mean()).add(obs.wall_seconds)
@@ -187,8 +192,7 @@ class PairEstimates:
         share pooled over every length (itself with SHARE_PRIOR of PRIOR_ALPHA: one miss in a
         request's first iterations must not read as "never drafts")."""
         pooled = _pooled(list(self._drafted.values()), PRIOR_ALPHA, SHARE_PRIOR)
-        mean = self._drafted.get(k, _Mean())
-        return (mean.total + SHARE_PRIOR * pooled) / (mean.weight + SHARE_PRIOR)
+        return _pooled([self._drafted.get(k, _Mean())], pooled, SHARE_PRIOR)
 
     def alphas(self, k: int) -> list[float]:
         """α_1..α_k: each depth's rate with DEPTH_PRIOR pseudo-samples of the pooled rate, so depths
@@ -270,8 +274,7 @@ class DraftLength:
         self._since_explore += 1
         if obs.drafted > 0:
             _count_depths(self._hits, obs)
-        if obs.chosen > 0 and not obs.switched:
-            self._drafted.setdefault(obs.chosen, _Mean()).add(1.0 if obs.drafted > 0 else 0.0)
+        _count_share(self._drafted, obs)
         if obs.steady:
             self._wall.setdefault(obs.chosen, _Mean()).add(obs.wall_seconds)
 
@@ -286,11 +289,7 @@ class DraftLength:
     def drafted_share(self, k: int) -> float:
         """h(k): the share of this request's iterations at k that drafted, with REQUEST_PRIOR
         pseudo-samples of the pair's (pre-drafted only, the others are target-only steps)."""
-        pair = self.pair.drafted_share(k)
-        own = self._drafted.get(k)
-        if own is None:
-            return pair
-        return (own.total + REQUEST_PRIOR * pair) / (own.weight + REQUEST_PRIOR)
+        return _pooled([self._drafted.get(k, _Mean())], self.pair.drafted_share(k), REQUEST_PRIOR)
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens | k] = 1 + h(k)·Σ_{i≤k} Π_{d≤i} α_d (h = 1 when every iteration drafts)."""

@@ -113,26 +113,27 @@ def rejection_guesses(run: Run) -> int:
     return 0 if run.spec.coins else run.rejection_guesses
 
 
+def has_predraft(run: Run, committed: list[int], k: int) -> bool:
+    """Whether take_predraft(run, committed, k) returns a block: one whose context came true and
+    whose length fits (k, or any up to the cap when adaptive)."""
+    predraft = run.predraft
+    if predraft is None or predraft.context != committed:
+        return False
+    length = len(predraft.draft.tokens)
+    return 0 < length <= run.pipeline_max_k if adaptive(run) else length == k
+
+
 def take_predraft(run: Run, committed: list[int], k: int) -> DraftResult | None:
     """The pre-drafted block for `committed`, if its context came true (any length when adaptive)."""
+    if not has_predraft(run, committed, k):
+        drop_predraft(run)
+        return None
     predraft, run.predraft = run.predraft, None
-    if predraft is None:
-        return None
-    length = len(predraft.draft.tokens)
-    fits = 0 < length <= run.pipeline_max_k if adaptive(run) else length == k
-    if predraft.context != committed or not fits:
-        run.stats.pre_drafts_dropped += 1
-        return None
+    assert predraft is not None
     run.stats.pre_drafts_used += 1
     hits = run.stats.pre_draft_rejection_hits if predraft.rejection else run.stats.pre_draft_bonus_hits
     bump_at(hits, predraft.rank)
     return predraft.draft
-
-
-def has_predraft(run: Run, committed: list[int], k: int) -> bool:
-    """Whether the run holds a pre-draft of k tokens whose context came true (take_predraft takes it)."""
-    predraft = run.predraft
-    return predraft is not None and predraft.context == committed and len(predraft.draft.tokens) == k
 
 
 def drop_predraft(run: Run) -> None:
@@ -173,7 +174,10 @@ async def verify_and_look_ahead(
     *, next_k: int, timeline: Timeline, on_drafter_lost: Callable[[Exception], None],
 ) -> VerifyOutcome:
     """Await `verify` (block n = tree after committed) while pre-drafting block n+1 of next_k
-    tokens; keeps on `run.predraft` the block whose guess came true, if any."""
+    tokens; keeps on `run.predraft` the block whose guess came true, if any (next_k = 0: no
+    look-ahead, just `verify`)."""
+    if not next_k:
+        return await verify
     abandon, answered = asyncio.Event(), asyncio.Event()
     rejections = rejection_guesses(run) if len(tree) else 0  # a target-only step has no block to reject
     look_ahead = predraft(run, sessions, committed + list(tree.tokens), next_k, rejections=rejections,

@@ -395,13 +395,12 @@ class Orchestrator:
                     outcome = await self._verify(run, sessions, committed, tree, probs, plan, timeline)
             except DrafterDown as exc:  # nothing was verified: drop the attempt
                 self._drafter_lost(exc.cause)
-        if outcome is None or looked_ahead:  # target-only: by plan, pre-drafted only, or drafter away
-            tree = DraftTree.empty()
-            # A step while the drafter looked ahead keeps the k it asked for (num_drafted says 0).
+        if looked_ahead:  # a target-only step beside a look-ahead: it keeps the k it asked for
             record.method, record.heads = "autoregressive", None
-            record.k = record.k if looked_ahead else 0
-            record.fallback = plan is not None and not looked_ahead
-        if outcome is None:
+        elif outcome is None:  # target-only, by plan or because the drafter is away (record.fallback)
+            tree = DraftTree.empty()
+            record.method, record.k, record.heads = "autoregressive", 0, None
+            record.fallback = plan is not None
             outcome = await self._target_only(sessions, committed, timeline)
         if not outcome.tokens:
             raise RuntimeError("verifier emitted no token")
@@ -438,8 +437,6 @@ class Orchestrator:
             next_k = pipeline.next_block(run, committed, tree, len(plan.shape), self._depth_cap)
         verify = sessions.verify(committed, tree, method=run.method, params=plan.params, draft_probs=probs,
                                  timeline=timeline)
-        if not next_k:
-            return await verify
         return await pipeline.verify_and_look_ahead(run, sessions, committed, tree, verify, next_k=next_k,
                                                     timeline=timeline, on_drafter_lost=self._drafter_lost)
 
@@ -456,8 +453,6 @@ class Orchestrator:
         pipeline.drop_predraft(run)  # a pre-draft of another prefix or length
         step = self._target_only(sessions, committed, timeline)
         next_k = pipeline.next_block(run, committed, DraftTree.empty(), 0, self._depth_cap)
-        if not next_k:
-            return await step
         return await pipeline.verify_and_look_ahead(run, sessions, committed, DraftTree.empty(), step,
                                                     next_k=next_k, timeline=timeline,
                                                     on_drafter_lost=self._drafter_lost)
