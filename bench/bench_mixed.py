@@ -17,7 +17,9 @@ slow phases of a shared machine hit all of them alike (medians per category and 
 The server is started once with `--dtype` and SPECDEC_USE_CALIBRATION=false (a first start: no
 saved calibration), so its controller learns over the run as a shared service would; one warm-up
 round (first prompt of each category, every configuration) is not counted. Sampling: temperature 1,
-no top-k/top-p, no stop tokens (every run makes --max-new-tokens tokens).
+no top-k/top-p, no stop tokens (every run makes --max-new-tokens tokens). mixed.md also splits the
+specdec rows' iterations by kind (drafted, target-only step beside a look-ahead, plain step), with
+their median wall time against the target-only row's step: what an iteration at k costs here.
 """
 
 from __future__ import annotations
@@ -84,12 +86,33 @@ async def specdec_run(
     seconds = time.perf_counter() - began
     ks = [r.k for r in result.iterations]
     return {
+        "kinds": iteration_kinds(result.iterations),
         "tok_s": len(result.token_ids) / seconds,
         "iterations": result.stats.iterations,
         "acceptance": result.stats.acceptance_rate,
         "mean_k": sum(ks) / len(ks) if ks else 0.0,
         "target_only_steps": sum(1 for r in result.iterations if r.method == "autoregressive"),
     }
+
+
+ITERATION_KINDS = ("drafted", "step beside a look-ahead", "step")
+
+
+def iteration_kinds(records: list[Any]) -> dict[str, list[float]]:
+    """Wall seconds of a request's iterations by kind, its first (the prompt's prefill) left out:
+
+    drafted                   a block was verified (num_drafted > 0)
+    step beside a look-ahead  a target-only step while the drafter looked ahead (k asked > 0)
+    step                      a target-only step alone (k = 0)
+
+    Their ratio to a step bounds what speculation can gain here: at k = 1 an iteration yields
+    1 + α tokens when drafted and 1 otherwise.
+    """
+    out: dict[str, list[float]] = {kind: [] for kind in ITERATION_KINDS}
+    for r in records[1:]:
+        kind = "drafted" if r.num_drafted > 0 else "step beside a look-ahead" if r.k > 0 else "step"
+        out[kind].append(r.end - r.start)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,6 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         None, ready, out / "up.log", ["--draft", args.draft, "--target", args.target, "--dtype", args.dtype]
     )
     samples: dict[tuple[str, str], list[float]] = defaultdict(list)
+    iteration_walls: dict[tuple[str, str], list[float]] = defaultdict(list)
     details: list[dict[str, Any]] = []
     try:
         address = json.loads(ready.read_text())["orchestrator"]
@@ -145,6 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             for config in CONFIGS:
                                 row = await one(client, category, ids, config, 1000 * rnd + i)
                                 samples[(category, config)].append(row["tok_s"])
+                                for kind, walls in row.pop("kinds", {}).items():
+                                    iteration_walls[(config, kind)] += walls
                                 details.append(
                                     {"round": rnd, "prompt": i, "category": category, "config": config, **row}
                                 )
@@ -162,7 +188,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         category: {config: statistics.median(samples[(category, config)]) for config in CONFIGS}
         for category in CATEGORIES
     }
-    return {"table": table, "details": details}
+    walls = {
+        config: {kind: iteration_walls[(config, kind)] for kind in ITERATION_KINDS}
+        for config in CONFIGS if any(iteration_walls[(config, kind)] for kind in ITERATION_KINDS)
+    }
+    return {"table": table, "details": details, "iteration_walls": walls}
 
 
 def render(results: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -188,7 +218,32 @@ def render(results: dict[str, Any], meta: dict[str, Any]) -> str:
         "tok/s per configuration (higher is better); hf and hf-assisted run in the harness's "
         f"process with {meta['hf_threads']} thread(s), the three specdec rows through one `specdec up`."
     )
+    lines += render_iteration_walls(results.get("iteration_walls", {}))
     return "\n".join(lines) + "\n"
+
+
+def render_iteration_walls(walls: dict[str, dict[str, list[float]]]) -> list[str]:
+    """Median wall time per iteration kind and configuration (iteration_kinds), against the
+    target-only configuration's step."""
+    if not walls:
+        return []
+    steps = walls.get("target-only", {}).get("step", [])
+    base = statistics.median(steps) if steps else None
+    lines = ["", "Iteration wall time by kind (median ms, count; × the target-only step):", "",
+             "| configuration | " + " | ".join(ITERATION_KINDS) + " |",
+             "|---|" + "---:|" * len(ITERATION_KINDS)]
+    for config, kinds in walls.items():
+        cells = []
+        for kind in ITERATION_KINDS:
+            values = kinds.get(kind, [])
+            if not values:
+                cells.append("–")
+                continue
+            median = statistics.median(values)
+            ratio = f", {median / base:.2f}×" if base else ""
+            cells.append(f"{median * 1000:.0f} ({len(values)}{ratio})")
+        lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,7 +57,8 @@ Per level and configuration:
     latency           send → the stream's end; p50 and p99
     done, errors      requests completed; failed ones (gRPC/HTTP errors, error events, timeouts)
     RSS               resident memory of the serving processes (specdec: `up` and its three
-                      services; transformers serve: its process), summed, before and after the level
+                      services; transformers serve: its process), summed, before and after the level,
+                      and its peak over samples every --rss-every seconds while the level ran
 Percentiles interpolate linearly between order statistics (numpy's default).
 
 Writes results.json (settings, machine, every request), table.md and throughput.png to --out.
@@ -80,6 +81,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -489,6 +491,36 @@ def rss(root_pid: int, names: dict[int, str] | None = None) -> dict[str, Any]:
     return {"total_bytes": sum(out.values()), "processes": out}
 
 
+class PeakRss:
+    """Samples a server's summed RSS every `every` seconds on a thread while a level runs: its peak
+    (memory that grows and falls back within a level shows only here) and the samples."""
+
+    def __init__(self, server: Server, every: float) -> None:
+        self.server, self.every = server, every
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._began = time.perf_counter()
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.perf_counter() - self._began, self.server.rss()["total_bytes"]))
+            if self._stop.wait(self.every):
+                return
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((b for _, b in self.samples), default=0)
+
+
 class Server(Protocol):
     name: str
     command: list[str]
@@ -703,9 +735,10 @@ def run_config(
         for clients in levels_of(server.name, args):
             before = server.rss()
             progress(f"[{server.name}] {clients} client(s) for {args.seconds:g} s …")
-            run = asyncio.run(
-                run_level(backend, next_case, clients, args.seconds, args.drain_timeout, progress)
-            )
+            with PeakRss(server, args.rss_every) as sampler:
+                run = asyncio.run(
+                    run_level(backend, next_case, clients, args.seconds, args.drain_timeout, progress)
+                )
             after = server.rss()
             summary = summarize(run.records, run.elapsed, expected)
             levels.append(
@@ -715,10 +748,13 @@ def run_config(
                     **summary,
                     "rss_before": before,
                     "rss_after": after,
+                    "rss_peak_bytes": sampler.peak_bytes,
+                    "rss_samples": sampler.samples,
                     "records": [asdict(r) for r in run.records],
                 }
             )
-            progress(f"[{server.name}] {clients} client(s): {brief(summary, before, after)}")
+            progress(f"[{server.name}] {clients} client(s): {brief(summary, before, after)}, "
+                     f"peak {sampler.peak_bytes / 2**20:.0f} MB")
             if summary["prompt_mismatches"]:
                 progress(f"[{server.name}] WARNING: {summary['prompt_mismatches']} prompt token mismatches")
     finally:
@@ -771,8 +807,8 @@ def render(results: dict[str, Any]) -> str:
     lines += [
         "",
         "| config | clients | agg tok/s | req tok/s p50 | TTFT p50 s | TTFT p99 s | latency p50 s | "
-        "latency p99 s | done | errors | RSS before → after MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "latency p99 s | done | errors | RSS before → after MB | RSS peak MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, config in results["configs"].items():
         for level in config["levels"]:
@@ -781,7 +817,8 @@ def render(results: dict[str, Any]) -> str:
                 f"{fmt(level['request_tok_s_p50'])} | {fmt(level['ttft_p50_s'], '.3f')} | "
                 f"{fmt(level['ttft_p99_s'], '.3f')} | "
                 f"{fmt(level['latency_p50_s'])} | {fmt(level['latency_p99_s'])} | {level['requests']} | "
-                f"{level['errors']} | {mb(level['rss_before'])} → {mb(level['rss_after'])} |"
+                f"{level['errors']} | {mb(level['rss_before'])} → {mb(level['rss_after'])} | "
+                f"{level['rss_peak_bytes'] / 2**20:.0f} |"
             )
     names = list(results["configs"])
     clients = sorted({lv["clients"] for c in results["configs"].values() for lv in c["levels"]})
@@ -797,7 +834,7 @@ def render(results: dict[str, Any]) -> str:
         "",
         "agg tok/s: new tokens of completed requests / the level's wall time, drain included; req tok/s: "
         "one request's tokens / its latency; TTFT: to the first streamed chunk with output; RSS: the "
-        "serving processes summed.",
+        "serving processes summed (peak: sampled every --rss-every s during the level).",
         "",
     ]
     return "\n".join(lines)
@@ -856,6 +893,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="seconds in-flight requests may take after a level's time is up")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--rss-every", type=float, default=5.0,
+                   help="seconds between RSS samples during a level (the table's peak)")
     p.add_argument(
         "--extra-up-args", default="", help='extra `specdec up` flags, e.g. "--max-batch-tokens 256"'
     )

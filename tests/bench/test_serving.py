@@ -212,7 +212,7 @@ def run_harness(byte_pair: dict[str, Path], out: Path, configs: str) -> dict:
         "--levels", "1,2", "--seconds", "2", "--configs", configs,
         "--draft", str(byte_pair["draft"]), "--target", str(byte_pair["target"]),
         "--dtype", "float32", "--prompts", "builtin", "--max-new-tokens", str(MAX_NEW_TOKENS),
-        "--drain-timeout", "60", "--startup-timeout", "120", "--out", str(out),
+        "--drain-timeout", "60", "--startup-timeout", "120", "--rss-every", "0.5", "--out", str(out),
     ]
     assert main(argv) == 0
     return json.loads((out / "results.json").read_text())
@@ -237,6 +237,9 @@ def check_results(results: dict, out: Path, configs: list[str]) -> None:
             assert level["prompt_mismatches"] == 0
             for snapshot in (level["rss_before"], level["rss_after"]):
                 assert snapshot["total_bytes"] > 0 and snapshot["processes"]
+            samples = level["rss_samples"]  # sampled while the level ran, the first at its start
+            assert len(samples) >= 2 and samples[0][0] < 1.0 and all(b > 0 for _, b in samples)
+            assert level["rss_peak_bytes"] == max(b for _, b in samples)
             # every request makes exactly the tokens asked for (no EOS stop)
             assert {r["tokens"] for r in level["records"]} == {MAX_NEW_TOKENS}
             assert len({r["client"] for r in level["records"]}) == level["clients"]
