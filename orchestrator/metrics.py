@@ -69,6 +69,13 @@ Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label r
   specdec_batch_tokens_total{role}                  query positions in those passes, padding included
   specdec_score_hits_total, specdec_late_scores_total   verifier: early scores used / too late
   specdec_draft_rows_requests_total                 verifier: lean verifies that asked for draft rows
+HTTP API (HttpMetrics: orchestrator.openai_http's middleware records it; route = /v1/completions |
+/v1/chat/completions | /v1/models | /health | other, so unknown paths cannot grow the label set):
+  specdec_http_requests_total{route,status}         HTTP requests answered, by status code (413s and
+                                                    401s included; a stream counts once, when it ends)
+  specdec_http_request_seconds{route}               histogram: request received → last byte sent
+                                                    (streams included, so this is a stream's length)
+  specdec_http_active_requests{route}               requests in progress (open streams included)
 and the process_* collector of prometheus-client. Each server serves its registry on /metrics
 (start_metrics_server). Nothing is recorded when no metrics object is installed.
 """
@@ -339,6 +346,39 @@ class _IterationMetrics:
     def finished(self, record: IterationRecord, depth: int) -> None:
         self.owner.record_iteration(record, depth)
         self.request.emitted(record)
+
+
+# ============================================================================ HTTP API
+
+HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+
+
+def http_route(path: str) -> str:
+    """The `route` label of a request path: a known route, else "other" (a bounded label set)."""
+    trimmed = path.rstrip("/") or "/"
+    return trimmed if trimmed in HTTP_ROUTES else "other"
+
+
+class HttpMetrics:
+    """Requests of the OpenAI-compatible HTTP API by route and status (module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        counter, gauge, histogram = _makers(registry)
+        self.requests = counter("specdec_http_requests", "HTTP requests answered, by route and status code.",
+                                "route", "status")
+        self.seconds = histogram("specdec_http_request_seconds", "HTTP request received to the last byte "
+                                 "of its response (a stream's whole length).", "route",
+                                 buckets=REQUEST_BUCKETS)
+        self.active = gauge("specdec_http_active_requests", "HTTP requests in progress (open streams "
+                            "included).", "route")
+
+    def started(self, route: str) -> None:
+        self.active.labels(route).inc()
+
+    def finished(self, route: str, status: int, seconds: float) -> None:
+        self.active.labels(route).dec()
+        self.requests.labels(route, str(status)).inc()
+        self.seconds.labels(route).observe(seconds)
 
 
 # ============================================================================ engines

@@ -13,11 +13,14 @@ import contextlib
 import json
 import logging
 import ssl
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+
+from orchestrator.metrics import HttpMetrics, http_route
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,43 @@ class _TooLarge(Exception):
     pass
 
 
+class RequestMetrics:
+    """ASGI middleware: each HTTP request's route, status and time to its last byte, on `metrics`
+    (orchestrator.metrics.HttpMetrics). Outermost, so refusals by BodyLimit count too; a request
+    that ends without a response (the client went away first) counts as status 499, nginx's
+    "client closed request"."""
+
+    def __init__(self, app: Any, metrics: HttpMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = http_route(scope.get("path", ""))
+        status = CLIENT_CLOSED
+        began = time.perf_counter()
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        self.metrics.started(route)
+        try:
+            await self.app(scope, receive, tracked_send)
+        except BaseException:
+            status = 500 if status == CLIENT_CLOSED else status
+            raise
+        finally:
+            self.metrics.finished(route, status, time.perf_counter() - began)
+
+
+CLIENT_CLOSED = 499
+
+
 @dataclass(frozen=True)
 class HttpTls:
     """HTTPS for the HTTP port: the gRPC port's certificate and key, and for mTLS its client CA."""
@@ -111,15 +151,20 @@ class HttpServer:
 
 
 async def start_http_server(app: Any, host: str = "127.0.0.1", port: int = 8000, *,
-                            max_body_bytes: int = 8 * 2**20, tls: HttpTls | None = None) -> HttpServer:
-    """Bind now (an OSError for a port in use reaches the caller), then serve in a task."""
+                            max_body_bytes: int = 8 * 2**20, tls: HttpTls | None = None,
+                            metrics: HttpMetrics | None = None) -> HttpServer:
+    """Bind now (an OSError for a port in use reaches the caller), then serve in a task; with
+    `metrics`, every request is counted on it (RequestMetrics)."""
     options: dict[str, Any] = {}
     if tls is not None:
         options.update(ssl_certfile=tls.cert, ssl_keyfile=tls.key)
         if tls.client_ca is not None:
             options.update(ssl_ca_certs=tls.client_ca,
                            ssl_cert_reqs=ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_OPTIONAL)
-    config = uvicorn.Config(BodyLimit(app, max_body_bytes), host=host, port=port, lifespan="off",
+    served: Any = BodyLimit(app, max_body_bytes)
+    if metrics is not None:
+        served = RequestMetrics(served, metrics)
+    config = uvicorn.Config(served, host=host, port=port, lifespan="off",
                             access_log=False, log_level="warning", log_config=None,
                             timeout_graceful_shutdown=5, **options)
     sock = config.bind_socket()

@@ -287,9 +287,10 @@ def http_url(host: str, port: int, tls: bool) -> str:
 
 
 async def start_http_api(orchestrator: Any, host: str, port: int, *, security: Any,
-                         served_model_name: str | None, config: Any) -> Any:
+                         served_model_name: str | None, config: Any, metrics: Any = None) -> Any:
     """The OpenAI-compatible HTTP API over `orchestrator` (orchestrator.openai_http), with the gRPC
-    port's TLS and tokens; bodies are capped at 4x max_prompt_bytes plus 1 MiB (a chat's JSON)."""
+    port's TLS and tokens; bodies are capped at 4x max_prompt_bytes plus 1 MiB (a chat's JSON);
+    `metrics` (orchestrator.metrics.HttpMetrics) counts its requests on /metrics."""
     from orchestrator.openai_http.app import create_app
     from orchestrator.openai_http.server import HttpTls, start_http_server
 
@@ -299,7 +300,8 @@ async def start_http_api(orchestrator: Any, host: str, port: int, *, security: A
                       None if security.client_ca is None else str(security.client_ca),
                       security.require_client_cert)
     app = create_app(orchestrator, served_model_name=served_model_name, tokens=security.tokens)
-    return await start_http_server(app, host, port, tls=tls, max_body_bytes=4 * config.max_prompt_bytes + MIB)
+    return await start_http_server(app, host, port, tls=tls, max_body_bytes=4 * config.max_prompt_bytes + MIB,
+                                   metrics=metrics)
 
 
 @serve_app.command("orchestrator", cls=ServeCommand)
@@ -408,7 +410,8 @@ def serve_orchestrator(
             try:
                 if http_port is not None:  # the OpenAI API, at once too: /health says 503 until serving
                     http = await start_http_api(orchestrator, host, http_port, security=front,
-                                                served_model_name=served_model_name, config=config)
+                                                served_model_name=served_model_name, config=config,
+                                                metrics=obs.http_metrics)
                 waiting_since, warned = time.monotonic(), False
                 while True:
                     try:

@@ -192,6 +192,22 @@ def test_the_openai_package_completes_chats_and_streams_over_http(pipeline) -> N
             chat.choices[0].message.content
         with pytest.raises(openai.BadRequestError, match="top_p"):
             client.completions.create(model=SERVED_NAME, prompt="t1", max_tokens=2, top_p=2.0)
+    # The orchestrator's /metrics counted them by route and status (serve wires its HttpMetrics in).
+    served = _http_requests(pipeline.info["metrics"]["orchestrator"])
+    assert served[("/v1/models", "200")] >= 1 and served[("/v1/completions", "400")] >= 1
+    assert served[("/v1/completions", "200")] >= 2 and served[("/v1/chat/completions", "200")] >= 2
+
+
+def _http_requests(url: str) -> dict[tuple[str, str], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    families = text_string_to_metric_families(text)
+    return {(s.labels["route"], s.labels["status"]): s.value for family in families
+            for s in family.samples if s.name == "specdec_http_requests_total"}
 
 
 def test_a_dead_drafter_is_restarted_on_its_address(pipeline, stub) -> None:
