@@ -83,6 +83,9 @@ class _TooLarge(Exception):
     pass
 
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": the request ended before any answer
+
+
 class RequestMetrics:
     """ASGI middleware: each HTTP request's route, status and time to its last byte, on `metrics`
     (orchestrator.metrics.HttpMetrics). Outermost, so refusals by BodyLimit count too; a request
@@ -98,7 +101,7 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         route = http_route(scope.get("path", ""))
-        status = CLIENT_CLOSED
+        status: int | None = None  # until the response starts
         began = time.perf_counter()
 
         async def tracked_send(message: dict) -> None:
@@ -111,13 +114,11 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, tracked_send)
         except BaseException:
-            status = 500 if status == CLIENT_CLOSED else status
+            status = 500 if status is None else status
             raise
         finally:
-            self.metrics.finished(route, status, time.perf_counter() - began)
-
-
-CLIENT_CLOSED = 499
+            self.metrics.finished(route, CLIENT_CLOSED if status is None else status,
+                                  time.perf_counter() - began)
 
 
 @dataclass(frozen=True)

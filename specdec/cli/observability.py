@@ -50,7 +50,8 @@ class Observability:
     metrics_server: Any = None  # orchestrator.metrics.MetricsServer | None
     _orchestrator_metrics: Any = None
     _engine_metrics: Any = None
-    _http_metrics: Any = None
+    # For start_http_server(metrics=...): the HTTP API's requests on /metrics (None when off).
+    http_metrics: Any = None  # orchestrator.metrics.HttpMetrics | None
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -76,11 +77,6 @@ class Observability:
         if self._engine_metrics is not None:
             observers.append(self._engine_metrics.observer(self.role))
         return observers
-
-    @property
-    def http_metrics(self) -> Any:
-        """For start_http_server(metrics=...): the HTTP API's requests on /metrics (None when off)."""
-        return self._http_metrics
 
     @property
     def loop_observer(self) -> Any:
@@ -148,7 +144,7 @@ def setup_observability(role: str, *, trace_file: Path | str | None = None, otlp
         if role in ("orchestrator", "generate"):
             obs._orchestrator_metrics = metrics.OrchestratorMetrics(obs.registry)
             if role == "orchestrator":  # the HTTP API's requests (specdec serve orchestrator --http-port)
-                obs._http_metrics = metrics.HttpMetrics(obs.registry)
+                obs.http_metrics = metrics.HttpMetrics(obs.registry)
         else:
             obs._engine_metrics = metrics.EngineMetrics(obs.registry)
         try:
