@@ -604,10 +604,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", type=Path, default=None, help="Draft model directory (default: tiny).")
     p.add_argument("--target", type=Path, default=None, help="Target model directory (default: tiny).")
     p.add_argument("--engine-args", default="--dtype float32 --no-batching",
-                   help="`serve drafter|verifier` arguments. float32 and unbatched by default: a pass's "
-                   "logits then do not depend on the other calls sharing it (int8 dynamic quantisation "
-                   "scales "
-                   "activations per pass), so seeded outputs can be compared token for token.")
+                   help="`serve drafter|verifier` arguments. float32 and unbatched by default, as the "
+                   "recorded figures were measured; seeded outputs compare token for token (so they do "
+                   "at the batch-invariant int8 default, docs/algorithms.md §14).")
     p.add_argument("--out", type=Path, default=None, help="Write MODE.json and MODE.md here.")
     return p
 

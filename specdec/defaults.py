@@ -13,9 +13,10 @@ DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b"  # names in specdec.models.REGISTRY
 DEFAULT_TARGET_MODEL = "qwen2.5-coder-1.5b"
 DEFAULT_MAX_MESSAGE_MB = 64.0  # gRPC send/receive limit of every channel and server
 
-# Weight precisions a model can be loaded in (specdec.runtime.loading). "int8": float32 weights
-# with every nn.Linear dynamically quantised to int8 per channel (CPU only). Each precision is its
-# own target model: the output is distributed exactly as the loaded precision's model.
+# Weight precisions a model can be loaded in (specdec.runtime.loading). "int8": every nn.Linear
+# with int8 weights per channel and int8 activations per row, attention in float64 (CPU only;
+# batch-invariant, specdec.runtime.int8). Each precision is its own target model: the output is
+# distributed exactly as the loaded precision's model.
 PRECISIONS = ("float32", "bfloat16", "float16", "int8")
 AUTO_PRECISION = "auto"  # the fast precision of the device (fast_precision)
 

@@ -385,8 +385,13 @@ def kv_bytes_per_token(model: Any) -> int:
 
 
 def _kv_element_size(model: Any) -> int:
-    """Bytes per cached element: the dtype of the model's floating-point parameters. An int8 model
-    keeps float32 embeddings and norms and computes (so caches) in float32."""
+    """Bytes per cached element: the dtype of the model's floating-point parameters, except for an
+    int8 model, which caches float64 keys and values (specdec.runtime.int8)."""
+    from specdec.runtime.int8 import kv_element_size  # torch: only where a model is at hand
+
+    cached = kv_element_size(model)
+    if cached is not None:
+        return cached
     for param in model.parameters():
         if param.is_floating_point():
             return int(param.element_size())

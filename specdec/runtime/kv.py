@@ -63,6 +63,48 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
+def _append(buffer: torch.Tensor | None, current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`new` appended to `current` inside `buffer` (a fresh one, with spare room, when it cannot)."""
+    length, extra = (current.shape[-2] if current.dim() == new.dim() else 0), new.shape[-2]
+    in_place = (buffer is not None and current.numel() and current.data_ptr() == buffer.data_ptr()
+                and current.stride() == buffer.stride() and current.shape[:-2] == new.shape[:-2]
+                and buffer.dtype == new.dtype and length + extra <= buffer.shape[-2])
+    if not in_place:
+        room = length + extra + max(64, (length + extra) // 4)
+        buffer = new.new_empty((*new.shape[:-2], room, new.shape[-1]))
+        if length:
+            buffer[..., :length, :].copy_(current)
+    assert buffer is not None
+    buffer[..., length:length + extra, :].copy_(new)
+    return buffer
+
+
+def growing_layer_class():
+    """transformers' DynamicLayer, appending into spare room instead of concatenating.
+
+    DynamicLayer copies a session's whole cache on every pass (torch.cat), O(context) per layer
+    per pass; here a pass writes only its new entries (the buffer grows by a quarter when full).
+    Views handed out stay valid until the next pass of the session, which is all a pass needs.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        _key_buffer: torch.Tensor | None = None
+        _value_buffer: torch.Tensor | None = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            length = self.get_seq_length() + key_states.shape[-2]
+            self._key_buffer = _append(self._key_buffer, self.keys, key_states)
+            self._value_buffer = _append(self._value_buffer, self.values, value_states)
+            self.keys = self._key_buffer[..., :length, :]
+            self.values = self._value_buffer[..., :length, :]
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
 class TreeKVCache:
     def __init__(
         self, model, lock: threading.Lock | None = None, runner: ForwardRunner | None = None
@@ -75,6 +117,9 @@ class TreeKVCache:
         # None: each pass runs here, under `lock`.
         self.runner = runner
         self.cache = DynamicCache(config=model.config)
+        if all(type(layer).__name__ == "DynamicLayer" for layer in getattr(self.cache, "layers", ())):
+            growing = growing_layer_class()
+            self.cache.layers = [growing() for _ in self.cache.layers]
         self.prefix: list[int] = []
         self.block_tokens: list[int] = []
         self.block_parents: list[int] = []

@@ -25,6 +25,7 @@ import torch
 
 from specdec.defaults import PRECISIONS, resolve_precision, specdec_home
 from specdec.engine.api import ModelInfo
+from specdec.runtime.int8 import quantize_linears, use_invariant_attention
 from specdec.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
 DTYPES: dict[str, torch.dtype] = {
@@ -32,10 +33,9 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-# Weights kept in float32, every nn.Linear replaced by torch's dynamically quantised int8 Linear
-# (per-channel weight scales, activations quantised per call). CPU only. On the 2-core dev machine
-# (AVX2) it makes a 1.5B target's one-token forward ~2.9x faster and a 9-token one ~5x faster
-# than float32; it changes the model's distribution, so compare against a baseline at int8 too.
+# Every nn.Linear replaced by a batch-invariant int8 one (specdec.runtime.int8: int8 weights per
+# channel, activations per row), attention in float64. CPU only. Much faster than float32 on the
+# 2-core dev machine (AVX2); it changes the model's distribution, so compare against int8 too.
 INT8 = "int8"
 assert set(PRECISIONS) == {*DTYPES, INT8}
 SOURCE_FILE = "specdec_source.json"  # written into converted directories: where they came from
@@ -251,7 +251,7 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 
 def quantize_int8(model: Any) -> Any:
-    """Replace every nn.Linear by a dynamically quantised int8 one (in place; returns the model).
+    """Replace every nn.Linear by a batch-invariant int8 one (specdec.runtime.int8; in place).
 
     Everything the int8 model keeps besides its int8 weights (embeddings, norms, biases) is first
     copied out of the weights file, and the replaced float modules are collected after: then no
@@ -260,18 +260,15 @@ def quantize_int8(model: Any) -> Any:
     8.5 GB, 6 GB of it the file, instead of 3.4 GB).
     """
     import gc
-    import warnings
 
     linear_weights = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Linear)}
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             if id(tensor) not in linear_weights:
                 tensor.data = tensor.data.clone()
-    with warnings.catch_warnings():  # torch.ao's eager quantisation warns that it moves to torchao
-        warnings.simplefilter("ignore")
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8,
-                                                       inplace=True)
-    gc.collect()  # the float Linear modules sit in reference cycles (torch.ao's qconfig closures)
+        model = quantize_linears(model)
+    use_invariant_attention(model)
+    gc.collect()
     return model
 
 

@@ -437,7 +437,8 @@ def test_kv_bytes_per_token_of_a_tiny_model(draft_model):
     assert kv_bytes_per_token(draft_model.model) == 2 * 2 * 1 * 8 * 4
     half = build_tiny_model(hidden_size=16, num_layers=3).to(torch.bfloat16)
     assert kv_bytes_per_token(half) == 3 * 2 * 1 * 8 * 2
-    assert kv_bytes_per_token(quantize_int8(build_tiny_model(hidden_size=16))) == 2 * 2 * 1 * 8 * 4
+    # int8 caches float64 keys and values (the attention it feeds runs in float64)
+    assert kv_bytes_per_token(quantize_int8(build_tiny_model(hidden_size=16))) == 2 * 2 * 1 * 8 * 8
     explicit = build_tiny_model(hidden_size=16)
     explicit.config.head_dim = 4  # a config that states its head size wins over hidden / heads
     assert kv_bytes_per_token(explicit) == 2 * 2 * 1 * 4 * 4
