@@ -127,7 +127,9 @@ def error_from_status(
     without the address.
     """
     details = details or ""
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    # CANCELLED as a status (not our own cancellation, which raises CancelledError here) is the
+    # peer's server stopping with the call in flight: as unavailable as a refused connection.
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         public = f"{service or UPSTREAM} unavailable ({code.name})"
         if details:
             public += f": {without_addresses(details, address)}"

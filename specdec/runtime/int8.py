@@ -14,6 +14,7 @@ tensor API; and `torch._int_mm`, the fallback where that operator is gone (30× 
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -44,40 +45,43 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale.float()
 
 
-class RowwiseInt8Linear(torch.nn.Module):
-    """y = (s_row · s_col) · Σ int8·int8 + bias; a row's y depends on that row alone."""
+class Int8Product:
+    """The int8 GEMM of one weight: Σ_k codes_mk · W_nk · s_n for a block of row codes.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None,
-                 output_dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.output_dtype = output_dtype
+    Projections of the same input (q, k and v; gate and up) share one: one quantisation of the
+    input and one GEMM for all of them, each taking its columns (a column of the product does not
+    depend on the others, so this is bitwise what separate layers compute).
+    """
+
+    def __init__(self, weight: torch.Tensor, kernel: str | None = None, members: int = 1):
         kernel = kernel or (FBGEMM if fbgemm_available() else INT_MM)
         if kernel not in (FBGEMM, INT_MM):
             raise ValueError(f"kernel must be {FBGEMM} or {INT_MM}, got {kernel!r}")
         self.kernel = kernel
-        self.out_features, self.in_features = weight.shape
-        codes, scale = quantize_weight(weight.detach().float())
-        self.register_buffer("weight_scale", scale)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float().clone(), False)
+        codes, self.weight_scale = quantize_weight(weight.detach().float())
+        self._packed = self._codes_t = None
         if kernel == FBGEMM:
             with warnings.catch_warnings():  # quantised tensors are deprecated; only this packs for fbgemm
                 warnings.simplefilter("ignore")
+                zero_points = torch.zeros_like(self.weight_scale, dtype=torch.long)
                 qweight = torch._make_per_channel_quantized_tensor(
-                    codes, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
+                    codes, self.weight_scale.double(), zero_points, 0)
                 self._packed = torch.ops.quantized.linear_prepack(qweight, None)
-            self._codes_t = None
         else:
-            self._packed = None
             self._codes_t = codes.t().contiguous()  # [K, N], as torch._int_mm takes it
+        self.members = members
+        self._last = threading.local()  # per thread: (input, its version, product, row scale, uses)
 
-    @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, kernel: str | None = None,
-                    output_dtype: torch.dtype = torch.float32) -> RowwiseInt8Linear:
-        return cls(linear.weight, linear.bias, kernel, output_dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()
-        codes, row_scale = quantize_rows(rows)
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(product [rows, N] float32, row scales [rows, 1]) for input `x` (any leading shape)."""
+        last = getattr(self._last, "entry", None)
+        version = None if x.is_inference() else x._version  # inference tensors keep no counter
+        if last is not None and last[0] is x and last[1] == version:
+            last[4] += 1
+            if last[4] >= self.members:  # every member has its columns: let the tensors go
+                self._last.entry = None
+            return last[2], last[3]
+        codes, row_scale = quantize_rows(x.reshape(-1, x.shape[-1]).float())
         if self._packed is not None:
             # scale 1.0: the operator's own quantisation of the codes is exact, its output is
             # float(int32 sum) · weight_scale, as the int_mm branch computes it
@@ -85,8 +89,60 @@ class RowwiseInt8Linear(torch.nn.Module):
                 codes, 1.0, _ACTIVATION_ZERO_POINT, self._packed)
         else:
             product = torch._int_mm(codes.to(torch.int8), self._codes_t).float() * self.weight_scale
+        # holding `x` keeps its identity (and memory) from being reused until the siblings ran
+        self._last.entry = [x, version, product, row_scale, 1] if self.members > 1 else None
+        return product, row_scale
+
+
+class RowwiseInt8Linear(torch.nn.Module):
+    """y = (s_row · s_col) · Σ int8·int8 + bias; a row's y depends on that row alone."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None,
+                 output_dtype: torch.dtype = torch.float32, *, product: Int8Product | None = None,
+                 columns: slice | None = None):
+        super().__init__()
+        self.output_dtype = output_dtype
+        self.out_features, self.in_features = weight.shape
+        self.product = product or Int8Product(weight, kernel)
+        self.columns = columns  # this layer's columns of a shared product (None: all of its own)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float().clone(), False)
+
+    @property
+    def kernel(self) -> str:
+        return self.product.kernel
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        scale = self.product.weight_scale
+        return scale if self.columns is None else scale[self.columns]
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, kernel: str | None = None,
+                    output_dtype: torch.dtype = torch.float32) -> RowwiseInt8Linear:
+        return cls(linear.weight, linear.bias, kernel, output_dtype)
+
+    @classmethod
+    def sharing_input(cls, linears: list[torch.nn.Linear], dtypes: list[torch.dtype],
+                      kernel: str | None = None) -> list[RowwiseInt8Linear]:
+        """Layers for projections that always take the same input, over one shared product."""
+        product = Int8Product(torch.cat([linear.weight for linear in linears]), kernel, len(linears))
+        layers, start = [], 0
+        for linear, dtype in zip(linears, dtypes, strict=True):
+            stop = start + linear.out_features
+            layers.append(cls(linear.weight, linear.bias, kernel, dtype, product=product,
+                              columns=slice(start, stop)))
+            start = stop
+        return layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        product, row_scale = self.product(x)
+        shared = self.columns is not None
+        if shared:
+            product = product[:, self.columns]
         if self.output_dtype != product.dtype:
             product, row_scale = product.to(self.output_dtype), row_scale.to(self.output_dtype)
+        elif shared and self.bias is None:
+            product = product.clone()  # the siblings' columns of the shared product stay as they are
         if self.bias is None:
             out = product.mul_(row_scale)
         else:
@@ -94,11 +150,15 @@ class RowwiseInt8Linear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        shared = "" if self.columns is None else f", columns={self.columns.start}:{self.columns.stop}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, kernel={self.kernel}")
+                f"bias={self.bias is not None}, kernel={self.kernel}{shared}")
 
 
 KV_PROJECTIONS = ("k_proj", "v_proj")  # transformers' names of the layers whose outputs are cached
+
+
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformers' names
 
 
 def quantize_linears(model: torch.nn.Module, kernel: str | None = None,
@@ -107,13 +167,24 @@ def quantize_linears(model: torch.nn.Module, kernel: str | None = None,
 
     The key and value projections give `kv_dtype`: float64 by default, so the KV cache holds
     float64 and the float64 attention below reads it without a cast per pass (2× the cache's
-    bytes; casting a float32 cache every pass measured slower).
+    bytes; casting a float32 cache every pass measured slower). Projections of one input
+    (SHARED_INPUTS) share one quantisation and one GEMM.
     """
+
+    def dtype(name: str) -> torch.dtype:
+        return kv_dtype if name in KV_PROJECTIONS else torch.float32
+
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                dtype = kv_dtype if name in KV_PROJECTIONS else torch.float32
-                setattr(parent, name, RowwiseInt8Linear.from_linear(child, kernel, dtype))
+        children = {name: child for name, child in parent.named_children() if type(child) is torch.nn.Linear}
+        for names in SHARED_INPUTS:
+            if all(name in children for name in names) and len(
+                    {children[name].in_features for name in names}) == 1:
+                layers = RowwiseInt8Linear.sharing_input([children.pop(name) for name in names],
+                                                         [dtype(name) for name in names], kernel)
+                for name, layer in zip(names, layers, strict=True):
+                    setattr(parent, name, layer)
+        for name, child in children.items():
+            setattr(parent, name, RowwiseInt8Linear.from_linear(child, kernel, dtype(name)))
     return model
 
 
@@ -143,9 +214,28 @@ def _float64_sdpa(module, query, key, value, attention_mask, **kwargs):
 
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.double()
+        if (query.shape[2] > 1 and attention_mask.dim() == 4 and attention_mask.shape[-1] == key.shape[2]
+                and query.shape[1] % key.shape[1] == 0):
+            return _grouped_float64_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
     output, weights = sdpa_attention_forward(module, query.double(), key.double(), value.double(),
                                              attention_mask, **kwargs)
     return output.float(), weights
+
+
+def _grouped_float64_attention(query, key, value, mask, scaling: float | None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + mask)·v in float64 as two batched products, query heads grouped by
+    their key/value head (no repeated keys): on this CPU faster than the float64 sdpa kernel for
+    masked multi-row passes. Output [batch, rows, heads, dim] in float32, as sdpa's."""
+    batch, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scale = dim ** -0.5 if scaling is None else scaling
+    grouped = query.double().reshape(batch, kv_heads, group * rows, dim)
+    scores = torch.matmul(grouped, key.double().transpose(-1, -2)).mul_(scale)
+    scores = scores.view(batch, kv_heads, group, rows, length).add_(mask[:, :, None])
+    weights = torch.softmax(scores, dim=-1).view(batch, kv_heads, group * rows, length)
+    output = torch.matmul(weights, value.double()).view(batch, heads, rows, dim)
+    return output.transpose(1, 2).contiguous().float()
 
 
 def use_invariant_attention(model: torch.nn.Module) -> None:

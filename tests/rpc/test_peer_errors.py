@@ -13,7 +13,9 @@ ADDRESS = "10.1.2.3:50052"
 REFUSED = f"failed to connect to all addresses; last error: UNKNOWN: ipv4:{ADDRESS}: Connection refused"
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED])
+# CANCELLED: the peer's server stopped with the call in flight (tests/orchestrator/test_health.py)
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.CANCELLED])
 def test_an_unreachable_peer_is_named_by_its_service(code) -> None:
     error = error_from_status(code, REFUSED, ADDRESS, service="verifier")
     assert isinstance(error, PeerUnavailable) and error.address == ADDRESS

@@ -23,6 +23,7 @@ from specdec.runtime.int8 import (
     RowwiseInt8Linear,
     fbgemm_available,
     quantize_linears,
+    use_invariant_attention,
 )
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import quantize_int8
@@ -208,3 +209,41 @@ def test_pass_shapes_at_the_test_devices_fast_precision():
         found = differences(tiny().to(device=device, dtype=dtype))
     print(f"pass-shape differences on {device} at {dtype}: {found}")
     assert max(tv for _, tv in found.values()) < 1e-2, found
+
+
+def test_projections_of_one_input_share_a_product_and_compute_what_separate_layers_do():
+    from specdec.runtime.int8 import SHARED_INPUTS
+
+    model = tiny()
+    separate = tiny()
+    quantize_linears(model)
+    for parent in separate.modules():  # the same layers, each with a product of its own
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                dtype = torch.float64 if name in ("k_proj", "v_proj") else torch.float32
+                setattr(parent, name, RowwiseInt8Linear.from_linear(child, output_dtype=dtype))
+    use_invariant_attention(model)
+    use_invariant_attention(separate)
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.product is attention.k_proj.product is attention.v_proj.product
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate_proj.product is mlp.up_proj.product is not mlp.down_proj.product
+    assert SHARED_INPUTS
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, separate(ids).logits)
+
+
+def test_a_shared_product_is_recomputed_for_a_changed_or_new_input():
+    linears = [torch.nn.Linear(16, 4), torch.nn.Linear(16, 6)]
+    first, second = RowwiseInt8Linear.sharing_input(linears, [torch.float32, torch.float32])
+    x = torch.randn(3, 16)
+    expected = [RowwiseInt8Linear.from_linear(linear)(x) for linear in linears]
+    assert torch.equal(first(x), expected[0]) and torch.equal(second(x), expected[1])
+    first(x)
+    x.mul_(2)  # changed in place between siblings: the product must not be reused
+    assert torch.equal(second(x), RowwiseInt8Linear.from_linear(linears[1])(x))
+    with torch.inference_mode():
+        y = torch.randn(2, 16)
+        assert torch.equal(first(y), RowwiseInt8Linear.from_linear(linears[0])(y))
+        assert torch.equal(second(y), RowwiseInt8Linear.from_linear(linears[1])(y))
