@@ -15,6 +15,7 @@ drops the rest; `truncate(n)` rolls back to a shorter prefix. No accepted token 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -79,6 +80,7 @@ def _append(buffer: torch.Tensor | None, current: torch.Tensor, new: torch.Tenso
     return buffer
 
 
+@functools.cache
 def growing_layer_class():
     """transformers' DynamicLayer, appending into spare room instead of concatenating.
 
