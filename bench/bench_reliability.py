@@ -3,7 +3,7 @@
     python -m bench.bench_reliability kill --clients 8 --out bench/results/reliability-DATE/
     python -m bench.bench_reliability soak --clients 8 --minutes 10 --out bench/results/reliability-DATE/
 
-The three services run as separate `specdec serve` processes (orchestrator.processes, the code
+The three services run as separate `specdec serve` processes (specdec.cli.processes, the code
 `specdec up` uses), the orchestrator's store in a real redis-server on a free port. Models: tiny
 random ones built from a config (the default: what is measured here is the services' behaviour,
 not the models'), or any pair by --draft/--target.
@@ -46,7 +46,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator import processes
+from specdec.cli import processes
 from specdec.rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 STARTUP_TIMEOUT_S = 240.0

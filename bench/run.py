@@ -483,7 +483,7 @@ class _GrpcPair:
     """Drafter and verifier servers in child processes pinned to disjoint cores."""
 
     def __init__(self, settings: BenchSettings, draft_path: Path, target_path: Path, log_dir: Path) -> None:
-        from orchestrator import processes
+        from specdec.cli import processes
 
         self.processes = processes
         self.supervisor = processes.Supervisor(log_dir)

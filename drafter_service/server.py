@@ -1,6 +1,6 @@
 """gRPC adapter around a drafter engine: parse, call the engine off the loop, encode, map errors.
 
-The engine (specdec.engine.drafter.DrafterEngine or anything with the same methods) is
+The engine (specdec.engine.drafter.DrafterEngine or anything with DrafterBackend's methods) is
 synchronous; calls run in a worker pool so the event loop keeps serving health checks and
 other sessions. Errors map to status codes as documented in specdec/rpc/grpc_support.py.
 """
@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
-from specdec.engine.api import MAX_TREE_NODES, ContextTooLong, InvalidRequest
+from specdec.engine.api import (
+    MAX_TREE_NODES,
+    ContextTooLong,
+    DraftRequest,
+    DraftResult,
+    InvalidRequest,
+    LookaheadRequest,
+    LookaheadResult,
+    ModelInfo,
+)
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
     EngineServicer,
@@ -31,7 +40,21 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
 
-def check_counts(engine: Any, append: int, nodes: int = 0) -> None:
+class DrafterBackend(Protocol):
+    """What the DrafterService calls on its engine (specdec.engine.drafter.DrafterEngine), so that a
+    stand-in engine in a test needs these and no more. Calls run in worker threads; an optional
+    `batching.workers` sizes their pool (specdec.rpc.grpc_support.engine_workers)."""
+
+    def info(self) -> ModelInfo: ...
+
+    def release(self, session_id: str) -> bool: ...
+
+    def draft(self, request: DraftRequest) -> DraftResult: ...
+
+    def lookahead(self, request: LookaheadRequest) -> LookaheadResult: ...
+
+
+def check_counts(engine: DrafterBackend, append: int, nodes: int = 0) -> None:
     """Refuse repeated fields no call may be that long, by their counts alone: before they are read
     into lists (a 64 MB message holds tens of millions of token ids) or the engine sees the call."""
     context = engine.info().max_context
@@ -60,7 +83,7 @@ class DrafterServicer(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
 
 async def start_drafter_server(
-    engine: Any,
+    engine: DrafterBackend,
     host: str = "127.0.0.1",
     port: int = 0,
     *,
@@ -92,8 +115,8 @@ async def start_drafter_server(
     )
 
 
-async def serve_drafter(engine: Any, host: str = "127.0.0.1", port: int = 50051, *, grace_s: float = 5.0,
-                        **kwargs: Any) -> None:
+async def serve_drafter(engine: DrafterBackend, host: str = "127.0.0.1", port: int = 50051, *,
+                        grace_s: float = 5.0, **kwargs: Any) -> None:
     """Serve until SIGINT/SIGTERM, then stop gracefully (health → NOT_SERVING, drain calls)."""
     server, _ = await start_drafter_server(engine, host, port, **kwargs)
     await serve_until_signal(server, grace_s)

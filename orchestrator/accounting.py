@@ -13,16 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import fields
-from typing import TYPE_CHECKING, Any
 
+from orchestrator.run import Run
+from orchestrator.store import Store
+from orchestrator.timeline import Timeline
 from specdec.engine.api import StoreUnavailable, VerifyOutcome
-from specdec.generation import GenerationStats, IterationRecord
+from specdec.generation import IterationRecord
 from specdec.trees import DraftTree
-
-if TYPE_CHECKING:
-    from orchestrator.run import Run, Timeline
-    from orchestrator.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +31,7 @@ def account(
     started: float, timeline: Timeline,
 ) -> None:
     """Complete the iteration's record, add it to the run's statistics and calibration counts."""
+    state = run.state
     record.drafted = len(tree) > 0
     record.num_drafted = len(tree)
     record.accepted = len(outcome.accepted_nodes)
@@ -43,9 +41,9 @@ def account(
     record.verify_intervals = [(run.epoch(s), run.epoch(e)) for s, e in timeline.verify]
     record.overlap_seconds = timeline.overlap_seconds()
 
-    stats = run.stats
+    stats = state.stats
     stats.iterations += 1
-    stats.new_tokens = len(run.generated)
+    stats.new_tokens = len(state.generated)
     stats.draft_seconds += timeline.draft_seconds()
     stats.verify_seconds += timeline.verify_seconds()
     stats.overlap_seconds += record.overlap_seconds
@@ -58,8 +56,8 @@ def account(
         stats.accepted_tokens += accepted
         bump(stats.drafted_per_position, tree.max_depth)
         bump(stats.accepted_per_position, accepted)
-        count_calibration(run.calibration, record.method, tree, outcome.accepted_nodes)
-    run.iterations.append(record)
+        count_calibration(state.calibration, record.method, tree, outcome.accepted_nodes)
+    state.iterations.append(record)
 
 
 def count_calibration(counts: Counter, method: str, tree: DraftTree, accepted_nodes: list[int]) -> None:
@@ -88,23 +86,18 @@ def count_calibration(counts: Counter, method: str, tree: DraftTree, accepted_no
         node = chosen
 
 
-async def flush_calibration(run: Run, store: Store, pair_key: str) -> None:
-    """Add the run's acceptance counts to the model pair's running statistics in the store."""
-    if not run.calibration:
+async def flush_calibration(calibration: Counter, store: Store, pair_key: str) -> None:
+    """Add a run's acceptance counts to the model pair's running statistics in the store."""
+    if not calibration:
         return
-    counts = dict(run.calibration)
-    run.calibration.clear()
+    counts = dict(calibration)
+    calibration.clear()
     try:
         await store.add_calibration(pair_key, counts)
     except StoreUnavailable:  # an outage, which the store logs once: these counts are lost
         log.debug("calibration counts dropped: the request store is unavailable")
     except Exception:  # statistics are not worth failing a request for
         log.exception("could not store calibration counts")
-
-
-def stats_dict(stats: GenerationStats) -> dict[str, Any]:
-    """GenerationStats as JSON values (dataclasses.asdict deep-copies, which costs on every iteration)."""
-    return {f.name: (list(v) if isinstance(v := getattr(stats, f.name), list) else v) for f in fields(stats)}
 
 
 def bump(counts: list[int], upto: int) -> None:

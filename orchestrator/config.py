@@ -10,6 +10,7 @@ from typing import Literal, get_args
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from specdec.defaults import DEFAULT_A, DEFAULT_K, DEFAULT_METHOD, DEFAULT_PIPELINE, DEFAULT_TREE_BUDGET
 from specdec.engine.api import MAX_LOOKAHEAD_K, MAX_TREE_NODES
 from specdec.methods import METHOD_NAMES
 
@@ -20,18 +21,19 @@ DRAFT_ROWS_MODES: tuple[str, ...] = get_args(DraftRowsMode)
 class OrchestratorConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_", extra="ignore")
 
-    default_method: str = "token"
+    # The values live in specdec.defaults (the CLI states them in its help without pydantic).
+    default_method: str = DEFAULT_METHOD
     # Draft length of sequence methods (token, block, ersd) and RD's k_max when a request gives no k
     # (and no calibration of the pair sets it). 2: the analyser's best k for the default int8 pair on
     # both development CPUs, and measured faster than 4 through `specdec up` (7.8 vs 5.8 tok/s,
     # bench/RESULTS.md "Where an iteration's time goes"; issue 15's table: 0.97x vs 0.72x plain HF).
-    default_k: int = Field(2, ge=1)
+    default_k: int = Field(DEFAULT_K, ge=1)
     # Node budget of gsd-tree when a request gives neither tree_budget nor k.
-    default_tree_budget: int = Field(8, ge=1)
+    default_tree_budget: int = Field(DEFAULT_TREE_BUDGET, ge=1)
     # ERSD drafts a tree of this many nodes when set (and the request gives no tree_budget);
     # None keeps ERSD on a sequence of k tokens.
     ersd_tree_budget: int | None = Field(None, ge=1)
-    default_a: float = Field(0.5, ge=0.0, le=1.0)
+    default_a: float = Field(DEFAULT_A, ge=0.0, le=1.0)
     # 0th-order acceptance model R(j) of the j-th ranked child (docs/algorithms.md §6) for tree shapes.
     rank_acceptance: list[float] = Field(default_factory=lambda: [0.6, 0.2, 0.1, 0.05])
     # Shape trees from the measured rank acceptance of the model pair once this many decisions
@@ -41,18 +43,18 @@ class OrchestratorConfig(BaseSettings):
     # (fields set explicitly, by argument or SPECDEC_* variable, always win).
     use_calibration: bool = True
 
-    # Pipelined speculation (orchestrator.pipeline, "Pipelining"): while the verifier checks a
+    # Pipelined speculation (orchestrator.drafting.lookahead): while the verifier checks a
     # block, the drafter already drafts the next one from the prefix that full acceptance would
     # give. Sequence methods only (token, block, ersd without a tree; rd when K = k_max). A
     # request may override it (GenerationRequest.pipeline). On by default: drafter and verifier
     # have their own devices/cores, so the drafter's look-ahead costs at most the tail of one
     # drafter call when it is dropped; on the default pair it measured faster than sequential
     # speculation for every method (bench/RESULTS.md).
-    pipeline: bool = True
+    pipeline: bool = DEFAULT_PIPELINE
     # Pipelined token/ersd: a pre-drafted block keeps growing until the verifier answers, up to
     # this many tokens (0 = pre-drafts have the draft length k). A fresh draft (after a rejection)
     # still has length k. Block and rd ignore it (growth would not be exact for them: methods'
-    # `adaptive_length`, orchestrator.pipeline). Request override: GenerationRequest.pipeline_max_k.
+    # `adaptive_length`, orchestrator.drafting.lookahead). Request override: GenerationRequest.pipeline_max_k.
     pipeline_max_k: int = Field(0, ge=0)
     # Pipelined look-ahead guesses (one drafter call drafts after each; the verifier's answer
     # picks at most one): the likeliest bonus tokens after the block, and the likeliest
@@ -70,7 +72,7 @@ class OrchestratorConfig(BaseSettings):
     # pair say is fastest, re-picked as they run; default_k is where it starts. Sequence methods
     # (token, block, ersd without a tree). Seeded requests keep default_k so they replay exactly.
     adaptive_k: bool = True
-    # Pre-drafted only (orchestrator.pipeline, "Pre-drafted only"): an adaptive pipelined request
+    # Pre-drafted only (orchestrator.drafting.lookahead, pre-drafted only): an adaptive pipelined request
     # verifies a draft only when its look-ahead's pre-draft came true; otherwise the iteration is a
     # target-only step while the drafter looks ahead from the new prefix, so no iteration waits for
     # a fresh draft (on the default int8 pair one costs ~1.7 target steps; bench/RESULTS.md). False:

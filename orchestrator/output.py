@@ -1,81 +1,118 @@
-"""Stop conditions and the streamed text.
+"""Stop conditions and the output's text.
 
-Tokens after max_new_tokens or after the first stop token are cut, stop strings cut at the
-fewest tokens whose text contains one, and a full context window ends the run. These are
-stopping rules on the emitted sequence, so the kept prefix is an exact sample of the target's
-prefix (docs/algorithms.md §8, "Stop conditions").
+Tokens after max_new_tokens or after the first stop token are cut, stop strings cut at the fewest
+tokens whose text contains one, and a full context window ends the run. These are stopping rules on
+the emitted sequence, so the kept prefix is an exact sample of the target's prefix
+(docs/algorithms.md §8, "Stop conditions").
+
+The text comes with each verify (VerifyOutcome.text_pieces / text_tails, decoded incrementally by
+the verifier from the run's TextCursor, specdec.runtime.detokenize): no round trip per iteration.
+After every iteration `text + text_tail` is the one-shot decode of the output (special tokens such
+as EOS are no text); `text` is settled and never changes, the tail is a partial character.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from orchestrator.run import Run
+from orchestrator.run import Run
+from specdec.engine.api import TextCursor, VerifyOutcome
 
-Decode = Callable[[list[int]], Awaitable[str]]  # token ids → text, with the target's tokenizer
+Decode = Callable[[list[int]], Awaitable[str]]  # token ids → text (the verifier's Decode RPC)
+PARTIAL = "\ufffd"  # what a decode shows for bytes that do not form a character yet
 
 
-async def absorb(run: Run, tokens: list[int], *, decode: Decode, max_context: int) -> list[int]:
-    """Add an iteration's tokens to the output, applying every stop condition; returns what was kept."""
-    before = len(run.generated)
-    kept = list(tokens[: run.max_new_tokens - before])
+async def absorb(run: Run, outcome: VerifyOutcome, *, decode: Decode, max_context: int) -> list[int]:
+    """Add an iteration's tokens and their text to the output, applying every stop condition;
+    returns the tokens kept. `decode` is used only when the verifier sent no text (an engine that
+    failed to decode it): then the text is rebuilt from the output's start on the next verify."""
+    settings, state = run.settings, run.state
+    before = len(state.generated)
+    kept = list(outcome.tokens[: settings.max_new_tokens - before])
     for i, token in enumerate(kept):
-        if token in run.stop_ids:
+        if token in settings.stop_ids:
             del kept[i + 1:]
-            run.finish_reason = "eos"
+            state.finish_reason = "eos"
             break
-    run.generated.extend(kept)
-    if run.finish_reason is None and len(run.generated) >= run.max_new_tokens:
-        run.finish_reason = "length"
-    text = await decode(run.generated)
-    if run.stop and find_stop(text, run.stop) is not None:
-        text = await cut_at_stop(run, before, text, decode)
-        run.finish_reason = "stop"
-    run.text = text
-    if run.finish_reason is None and context_full(run, max_context):
-        run.finish_reason = "length"
-    return run.generated[before:]
+    texts = await _texts(run, outcome, kept, decode)  # (settled, partial) after each kept token
+    cut = _stop_cut(state.text, [settled + tail for settled, tail in texts], settings.stop)
+    if cut is not None:
+        count, end = cut
+        del kept[count:]
+        settled, tail = texts[count - 1]
+        state.text, state.text_tail = (settled + tail)[:end], ""
+        state.finish_reason = "stop"
+    elif kept:
+        state.text, state.text_tail = texts[-1]
+    state.generated.extend(kept)
+    if state.finish_reason is None and len(state.generated) >= settings.max_new_tokens:
+        state.finish_reason = "length"
+    if state.finish_reason is None and context_full(run, max_context):
+        state.finish_reason = "length"
+    return kept
+
+
+async def _texts(run: Run, outcome: VerifyOutcome, kept: list[int], decode: Decode) -> list[tuple[str, str]]:
+    """The output's text after each kept token: (settled text, the unsettled rest)."""
+    state = run.state
+    cursor, pieces, tails = state.text_cursor, outcome.text_pieces, outcome.text_tails
+    if outcome.text_cursor is not None and len(pieces) >= len(kept) and len(tails) >= len(kept):
+        settled = "" if cursor is not None and cursor.read == cursor.start else state.text
+        texts = []
+        for piece, tail in zip(pieces[: len(kept)], tails, strict=False):
+            settled += piece
+            texts.append((settled, tail))
+        state.text_cursor = outcome.text_cursor
+        return texts
+    # No text from the verifier: decode here, and have the next verify rebuild it from the start.
+    start = len(run.settings.prompt_ids)
+    state.text_cursor = TextCursor(start, start, start)
+    generated = state.generated
+    texts = []
+    for n in range(1, len(kept) + 1):
+        text = await decode(generated + kept[:n])
+        settled = text.rstrip(PARTIAL)
+        texts.append((settled, text[len(settled):]))
+    return texts
+
+
+def _stop_cut(before: str, texts: Sequence[str], stops: Sequence[str]) -> tuple[int, int] | None:
+    """(tokens kept, characters of text kept) at the fewest tokens whose text holds a stop string."""
+    if not stops:
+        return None
+    reach = max(map(len, stops)) - 1  # a stop string may begin this far back in the earlier text
+    for count, text in enumerate(texts, start=1):
+        hit = find_stop(text, stops, max(0, len(before) - reach))
+        if hit is not None:
+            return count, hit
+    return None
 
 
 def context_full(run: Run, max_context: int) -> bool:
     """Whether the run's sequence fills the target's context window (0: no limit)."""
-    return bool(max_context) and len(run.prompt_ids) + len(run.generated) >= max_context
+    return bool(max_context) and len(run.settings.prompt_ids) + len(run.state.generated) >= max_context
 
 
-async def cut_at_stop(run: Run, before: int, full_text: str, decode: Decode) -> str:
-    """Keep the fewest new tokens whose text contains a stop string; the text ends before it."""
-    for n in range(before + 1, len(run.generated) + 1):
-        text = full_text if n == len(run.generated) else await decode(run.generated[:n])
-        hit = find_stop(text, run.stop)
-        if hit is not None:
-            del run.generated[n:]
-            return text[:hit]
-    raise AssertionError("unreachable: the full text holds a stop string")
-
-
-def find_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where the earliest stop string starts in `text`, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Where the earliest stop string starts in `text` (searched from `start`), or None."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 
 def text_delta(run: Run, final: bool) -> str:
-    """The not-yet-streamed text that can no longer change (held back: a possible stop-string
-    start, and an incomplete character at the end)."""
-    text = run.text
+    """The not-yet-streamed text that can no longer change: everything settled but a possible
+    stop-string start; at the end, the partial character too (as the one-shot decode shows it)."""
+    state = run.state
+    text = state.text + state.text_tail if final else state.text
     end = len(text)
     if not final:
-        while end > 0 and text[end - 1] == "\ufffd":
-            end -= 1
         hold = 0
-        for stop in run.stop:
+        for stop in run.settings.stop:
             for n in range(min(len(stop) - 1, end), hold, -1):
                 if text.endswith(stop[:n], 0, end):
                     hold = n
                     break
         end -= hold
-    delta = text[run.text_sent:end] if end > run.text_sent else ""
-    run.text_sent = max(run.text_sent, end)
+    delta = text[state.text_sent:end] if end > state.text_sent else ""
+    state.text_sent = max(state.text_sent, end)
     return delta

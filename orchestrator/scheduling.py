@@ -1,4 +1,4 @@
-"""Per-iteration scheduling decisions as pure functions: k, a, RD coins, draft shapes, calibration.
+"""Scheduling arithmetic as pure functions: default sizes, RD coins, depth caps, calibration.
 
 None of these choices can change the output distribution (every method is exact for every k,
 a and tree shape; docs/algorithms.md §8, "Scheduling"); they only decide how much work an
@@ -8,50 +8,11 @@ iteration does.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from orchestrator.config import OrchestratorConfig
 from specdec.methods import get_method
 from specdec.randomness import TorchRandomSource
-from specdec.trees import optimal_tree_shape, sequence_parents
-from specdec.verification.base import MethodParams
 from specdec.verification.rd import leading_heads
-
-if TYPE_CHECKING:
-    from orchestrator.run import Run
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one speculative iteration drafts, and the parameters its verification gets."""
-
-    shape: list[int]  # parent indices of the draft tree ([]: RD with no leading head)
-    k: int  # the size asked for (IterationRecord.k): draft length, RD k_max or tree budget
-    params: MethodParams
-    heads: int | None = None  # RD: K, the leading heads of the coins (None: not a coin method)
-    pipelined: bool = False  # the next block is pre-drafted while this one is verified (pipeline.py)
-
-
-def plan_iteration(run: Run, position: int, depth_cap: int) -> Plan | None:
-    """The draft of the iteration starting at `position`, or None for a target-only step (the
-    method drafts nothing, or no draft fits the context windows)."""
-    spec = run.spec
-    if not spec.speculative or depth_cap <= 0 or run.k <= 0:  # k = 0: chosen by adaptation
-        return None
-    params = MethodParams(seed=run.seed, position=position)
-    if spec.coins:  # RD: the coins fix K; a full block (K = k_max) can be pipelined
-        assert run.a is not None
-        k_max = min(run.k, depth_cap)
-        heads = rd_leading_heads(run.a, k_max, run.seed, position)
-        rd_params = MethodParams(a=run.a, k_max=k_max, seed=run.seed, position=position)
-        return Plan(sequence_parents(heads), run.k, rd_params, heads=heads,
-                    pipelined=run.pipeline and spec.pipelinable and heads == k_max)
-    if run.tree_budget is not None:  # gsd-tree, or ersd with a tree budget
-        shape = cap_depth(optimal_tree_shape(run.rank_acceptance, run.tree_budget), depth_cap)
-        return Plan(shape, run.tree_budget, params)
-    return Plan(sequence_parents(min(run.k, depth_cap)), run.k, params,
-                pipelined=run.pipeline and spec.pipelinable)
 
 
 def depth_cap(committed_len: int, max_contexts: Iterable[int]) -> int:

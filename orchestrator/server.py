@@ -1,11 +1,8 @@
 """gRPC adapter for the orchestrator's public API (GenerationService).
 
-`orchestrator` is any object with
-    async def generate(request: GenerationRequest, *, owner: str) -> GenerationResult
-    def generate_stream(request: GenerationRequest, *, owner: str) -> AsyncIterator[GenerationChunk]
-    async def resume(request_id: str, *, owner: str) -> GenerationResult
-    def resume_stream(request_id: str, *, owner: str) -> AsyncIterator[GenerationChunk]
-(orchestrator.speculation provides it). `owner` is the caller's identity
+`orchestrator` is any GenerationBackend (below: generate, generate_stream, resume, resume_stream;
+orchestrator.speculation.Orchestrator provides it), and a MonitoredBackend to have its health follow
+its dependencies. `owner` is the caller's identity
 (specdec.rpc.security.caller_identity: its bearer token or client certificate, as a digest): the
 stored request is bound to it, so only the same identity can resume it. Errors map to status codes
 as documented in specdec/rpc/grpc_support.py; a lost verifier or request store (PeerUnavailable)
@@ -17,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from typing import Any, Protocol, TypeGuard
 
 import grpc
 
-from orchestrator.health import HealthMonitor, ServingGate
+from orchestrator.health import HealthMonitor, Monitored, ServingGate
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
+from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
     guarded,
@@ -39,8 +37,42 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
+class GenerationBackend(Protocol):
+    """What the GenerationService calls on the orchestrator: the door depends on these four calls
+    only (a test's stand-in needs no more). Streams are closed when the call ends."""
+
+    async def generate(self, request: GenerationRequest, *, owner: str) -> GenerationResult: ...
+
+    def generate_stream(self, request: GenerationRequest, *,
+                        owner: str) -> AsyncIterator[GenerationChunk]: ...
+
+    async def resume(self, request_id: str, *, owner: str) -> GenerationResult: ...
+
+    def resume_stream(self, request_id: str, *, owner: str) -> AsyncIterator[GenerationChunk]: ...
+
+
+class HealthSettings(Protocol):
+    """The one setting the health rounds read of a monitored orchestrator's config."""
+
+    @property
+    def health_interval_s(self) -> float: ...
+
+
+class MonitoredBackend(GenerationBackend, Monitored, Protocol):
+    """A GenerationBackend that watches its verifier and store (check_dependencies, ensure_serving):
+    its health status follows them and its calls are gated on them."""
+
+    @property
+    def config(self) -> HealthSettings: ...
+
+
+def _monitored(orchestrator: GenerationBackend) -> TypeGuard[MonitoredBackend]:
+    """Whether the orchestrator watches its dependencies (a plain stand-in need not)."""
+    return hasattr(orchestrator, "check_dependencies")
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, orchestrator: Any) -> None:
+    def __init__(self, orchestrator: GenerationBackend) -> None:
         self.orchestrator = orchestrator
 
     @guarded
@@ -84,7 +116,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 yield chunk
 
 
-async def _chunks(stream: Any) -> AsyncIterator[generation_pb2.GenerationChunk]:
+async def _chunks(
+    stream: AsyncIterator[GenerationChunk],
+) -> AsyncGenerator[generation_pb2.GenerationChunk, None]:
     """The orchestrator's chunks as messages; the stream is closed however this ends."""
     if inspect.iscoroutine(stream):  # tolerate `async def generate_stream(...)` returning an iterator
         stream = await stream
@@ -100,7 +134,7 @@ async def _chunks(stream: Any) -> AsyncIterator[generation_pb2.GenerationChunk]:
 
 
 async def start_orchestrator_server(
-    orchestrator: Any,
+    orchestrator: GenerationBackend,
     host: str = "127.0.0.1",
     port: int = 0,
     *,
@@ -118,7 +152,7 @@ async def start_orchestrator_server(
     (ServingGate, after `interceptors`)."""
     servicer = GenerationServicer(orchestrator)
     monitor = gate = None
-    if hasattr(orchestrator, "check_dependencies"):
+    if _monitored(orchestrator):
         interval = health_interval_s or orchestrator.config.health_interval_s
         monitor = HealthMonitor(orchestrator, interval, [SERVICE_NAME])
         gate = ServingGate(orchestrator, f"/{SERVICE_NAME}/")
@@ -137,7 +171,7 @@ async def start_orchestrator_server(
     return server, bound
 
 
-async def serve_orchestrator(orchestrator: Any, host: str = "127.0.0.1", port: int = 50050, *,
+async def serve_orchestrator(orchestrator: GenerationBackend, host: str = "127.0.0.1", port: int = 50050, *,
                              grace_s: float = 5.0, **kwargs: Any) -> None:
     """Serve until SIGINT/SIGTERM, then stop gracefully (health → NOT_SERVING, drain calls)."""
     server, _ = await start_orchestrator_server(orchestrator, host, port, **kwargs)

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import DraftRowsMode
 from orchestrator.failover import DrafterChanged, DrafterDown, DrafterIncompatible, DrafterSlow
+from orchestrator.run import Run
+from orchestrator.timeline import Timeline
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
@@ -49,6 +51,7 @@ from specdec.engine.api import (
     PeerUnavailable,
     ScoreRequest,
     SessionGone,
+    TextCursor,
     VerifyOutcome,
     VerifyRequest,
 )
@@ -59,7 +62,6 @@ from specdec.verification.lean import token_probs
 if TYPE_CHECKING:
     import torch
 
-    from orchestrator.run import Run, Timeline
     from specdec.trees import DraftTree
     from specdec.verification.base import MethodParams
 
@@ -175,7 +177,7 @@ class RunSessions:
         self.drafter_session = run.session_id  # a new one after a call was abandoned (module docstring)
         self.retired_sessions: list[str] = []
         self.drafter_pending: asyncio.Task | None = None  # an abandoned pre-draft still in its call
-        spec = get_method(run.method)
+        spec = get_method(run.settings.method)
         self.strategy = spec.draft_strategy or "sample"  # target-only runs never draft
         self.want_rows = spec.needs_draft_rows
 
@@ -190,7 +192,7 @@ class RunSessions:
     # drafter -----------------------------------------------------------------------------------
     async def draft(self, context: list[int], *, shape: Sequence[int], timeline: Timeline) -> DraftResult:
         """Draft a tree of `shape` (parent indices) after `context`."""
-        drafter, run = self._drafter(), self.run
+        drafter, run = self._drafter(), self.run.settings
 
         def call(base: int, append: list[int]) -> Awaitable[DraftResult]:
             return self._deadlined(drafter.draft(DraftRequest(
@@ -205,7 +207,7 @@ class RunSessions:
         self, context: list[int], *, k: int, bonus_guesses: int, rejection_guesses: int, timeline: Timeline
     ) -> LookaheadResult:
         """Guess what the verifier commits after `context` and draft k tokens after each guess."""
-        drafter, run = self._drafter(), self.run
+        drafter, run = self._drafter(), self.run.settings
 
         def call(base: int, append: list[int]) -> Awaitable[LookaheadResult]:
             return self._deadlined(drafter.lookahead(LookaheadRequest(
@@ -304,17 +306,18 @@ class RunSessions:
         def call(base: int, append: list[int]) -> Awaitable[None]:
             return verifier.score(ScoreRequest(
                 session_id=run.session_id, base_len=base, append=append, tree_tokens=list(tree.tokens),
-                tree_parents=list(tree.parents), sampling=run.sampling,
+                tree_parents=list(tree.parents), sampling=run.settings.sampling,
             ))
 
         await self._verifier_call(committed, call, timeline, "score")
 
     async def verify(
         self, committed: list[int], tree: DraftTree, *, method: str, params: MethodParams,
-        draft_probs: torch.Tensor | None, timeline: Timeline,
+        draft_probs: torch.Tensor | None, timeline: Timeline, text: TextCursor | None = None,
     ) -> VerifyOutcome:
         """One target pass over committed + tree and `method`'s rule; the verifier commits the tokens.
 
+        `text`: the run's TextCursor, for the emitted tokens' text (orchestrator.output).
         Lean (docs/algorithms.md §12): resent with the rows the verifier names until it decides.
         Every retry must add rows of the [n + 1, V] layout, so there are at most n + 1 of them.
         The outcome's forward and verification seconds are those of all rounds.
@@ -328,7 +331,8 @@ class RunSessions:
         def call(base: int, append: list[int]) -> Awaitable[VerifyOutcome]:
             request = VerifyRequest(
                 session_id=run.session_id, base_len=base, append=append, tree_tokens=list(tree.tokens),
-                tree_parents=list(tree.parents), method=method, params=params, sampling=run.sampling,
+                tree_parents=list(tree.parents), method=method, params=params, sampling=run.settings.sampling,
+                text=text,
             )
             if lean:
                 request.draft_token_probs = probs

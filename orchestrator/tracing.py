@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from orchestrator.probes import IterationProbe, LoopObserver, RequestProbe
 
 if TYPE_CHECKING:
     from specdec.generation import GenerationResult, IterationRecord
@@ -65,43 +67,6 @@ OPENAI_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 # ============================================================================ observer protocols
-
-
-class IterationProbe(Protocol):
-    """Per-iteration hooks (entered by RequestProbe.iteration). Times are time.perf_counter()."""
-
-    def call_started(self, kind: str, op: str, start: float) -> Any:
-        """A drafter (kind "draft") or verifier (kind "verify") call begins; op = draft | lookahead |
-        score | verify | verify-rows (a lean verify resent with the draft rows it asked for).
-
-        Runs in the task that awaits the call, so a span made current here is the caller's
-        context during the call (and travels in its gRPC metadata). Returns a token.
-        """
-
-    def call_finished(self, token: Any, end: float, error: BaseException | None) -> None:
-        """The call of `token` ended (in the same task, right after it)."""
-
-    def finished(self, record: IterationRecord, depth: int) -> None:
-        """The iteration's IterationRecord, and the depth of the draft tree it verified."""
-
-
-class RequestProbe(Protocol):
-    def iteration(self, index: int, start: float) -> AbstractContextManager[IterationProbe]:
-        """Entered around one iteration (started at perf_counter `start`); its calls run inside."""
-
-    def finished(self, result: GenerationResult | None, error: BaseException | None) -> None:
-        """The run ended: its GenerationResult, or the error (both None: the consumer left)."""
-
-
-class LoopObserver(Protocol):
-    """What orchestrator.speculation.Orchestrator(observer=...) calls (tracing, metrics).
-
-    epoch maps the loop's time.perf_counter() readings to epoch seconds (IterationRecord's
-    scale), so spans and records carry the very same instants.
-    """
-
-    def request_started(self, request_id: str, epoch: Callable[[float], float],
-                        attributes: Mapping[str, Any]) -> RequestProbe | None: ...
 
 
 class ServiceObserver(Protocol):

@@ -12,9 +12,11 @@
 AsyncClient has the same methods as coroutines (`async with AsyncClient() as client:
 await client.generate(…)`; `async for chunk in client.generate_stream(…)`). A request is a
 GenerationRequest, or a prompt plus its fields as keywords (temperature / top_k / top_p stand for
-`sampling`). Failures raise the errors the orchestrator itself raises, all EngineError: InvalidRequest
-(INVALID_ARGUMENT), PeerUnavailable (UNAVAILABLE: no orchestrator, or its verifier is down), Overloaded
-(RESOURCE_EXHAUSTED: retry later), Unauthenticated, NotFound, StillRunning, AlreadyExists, RemoteError.
+`sampling`); method, k, a and pipeline left out (None) take the orchestrator's settings
+(`--default-method`, `--default-k`, …), and `result.method` says which method ran. Failures raise the
+errors the orchestrator itself raises, all EngineError: InvalidRequest (INVALID_ARGUMENT),
+PeerUnavailable (UNAVAILABLE: no orchestrator, or its verifier is down), Overloaded (RESOURCE_EXHAUSTED:
+retry later), Unauthenticated, NotFound, StillRunning, AlreadyExists, RemoteError.
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ def build_request(prompt: str | GenerationRequest | None = None, /, **fields: An
     """A GenerationRequest from a prompt (or a request to start from) and request fields as keywords.
 
     `temperature`, `top_k` and `top_p` change the request's sampling; `messages` may hold ChatMessage
-    or {"role": …, "content": …} mappings. InvalidRequest (naming the field) for what no request can
-    hold; TypeError for an unknown keyword. What needs the model (the prompt's length, a method the
-    server does not know) is the orchestrator's to check.
+    or {"role": …, "content": …} mappings. Fields not given keep GenerationRequest's defaults: None for
+    method, k, a and pipeline, so the orchestrator's own settings apply. InvalidRequest (naming the
+    field) for what no request can hold; TypeError for an unknown keyword. What needs the model (the
+    prompt's length, a method the server does not know) is the orchestrator's to check.
     """
     if isinstance(prompt, GenerationRequest):
         base = prompt

@@ -13,6 +13,15 @@ DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b"  # names in specdec.models.REGISTRY
 DEFAULT_TARGET_MODEL = "qwen2.5-coder-1.5b"
 DEFAULT_MAX_MESSAGE_MB = 64.0  # gRPC send/receive limit of every channel and server
 
+# What the orchestrator runs a request that names no method, k, a or pipeline with (the fields of
+# orchestrator.config.OrchestratorConfig take them; `--default-*` and SPECDEC_DEFAULT_* override
+# them there). Here so that the CLI's help states them without importing pydantic.
+DEFAULT_METHOD = "token"  # a name in specdec.methods.METHOD_NAMES
+DEFAULT_K = 2  # draft length of sequence methods, RD's k_max (why 2: OrchestratorConfig.default_k)
+DEFAULT_TREE_BUDGET = 8  # node budget of gsd-tree
+DEFAULT_A = 0.5  # RD drafting probability
+DEFAULT_PIPELINE = True  # pre-draft the next block while the verifier checks this one
+
 # Weight precisions a model can be loaded in (specdec.runtime.loading). "int8": every nn.Linear
 # with int8 weights per channel and int8 activations per row, attention in float64 (CPU only;
 # batch-invariant, specdec.runtime.int8). Each precision is its own target model: the output is

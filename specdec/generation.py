@@ -32,8 +32,11 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] | None = None  # None → the target's EOS ids
     seed: int | None = None  # None → a random seed, reported back in the result
-    method: str = "token"
-    k: int | None = None  # draft length (sequence methods) / tree budget (trees); None → default
+    # None here and below: the orchestrator's setting (OrchestratorConfig.default_method, default_k,
+    # default_a, pipeline), whichever door (gRPC, HTTP, client, CLI) the request came through;
+    # GenerationResult.method says what ran.
+    method: str | None = None  # a name in specdec.methods.METHOD_NAMES
+    k: int | None = None  # draft length (sequence methods) / tree budget (trees)
     a: float | None = None  # RD drafting probability; None → calibrated or default
     request_id: str | None = None  # the stored record's id (None → a fresh one); never reused (AlreadyExists)
     # Node budget of a draft tree: gsd-tree (falls back to k, then the configured default) and
@@ -93,7 +96,7 @@ class GenerationResult:
     text: str
     finish_reason: str  # "length" | "eos" | "stop"
     seed: int
-    method: str
+    method: str  # the method that ran: the request's, or the orchestrator's default
     stats: GenerationStats
     iterations: list[IterationRecord] = field(default_factory=list)  # the request's timeline
     started_at: float = 0.0  # epoch seconds when the (last) run of the request began

@@ -17,7 +17,7 @@ Glossary (the words the records use):
                     position's exponential race under Q (docs/algorithms.md §4).
   draft shape       "sequence": a path of k tokens; "tree": a tree within a node budget.
   pipelinable       a sequence block can be pre-drafted while the verifier checks the one before
-                    (orchestrator.pipeline; exact by construction, docs/algorithms.md §8).
+                    (orchestrator.drafting.lookahead; exact by construction, docs/algorithms.md §8).
   adaptive length   a pipelined pre-draft may keep growing, one token per drafter call, until the
                     verifier answers (`pipeline_max_k`). Exact only when the rule's decision at
                     position i reads the drafts up to i alone (token; ERSD's races): a grown
@@ -26,8 +26,12 @@ Glossary (the words the records use):
                     fresh draft would reuse the stream that drew x̃_{a+2}, whose uniform is no
                     longer uniform given τ = a (docs/algorithms.md §8). Block and RD pipeline
                     fixed-length blocks.
-  coins             randomised drafting: per-position Bernoulli(a) coins fix how many tokens an
-                    iteration drafts (K), so the draft length is not the orchestrator's to choose.
+  drafting          how an iteration drafts, the name of one drafting strategy
+                    (orchestrator.drafting): "sequence" (a path of k tokens, or a tree when a
+                    budget is asked for and the method drafts trees), "tree" (a tree within a
+                    node budget: the request's k is that budget), "coins" (randomised drafting:
+                    per-position Bernoulli(a) coins fix how many tokens an iteration drafts, K,
+                    so the draft length is not the orchestrator's to choose), "none" (target only).
   empty-draft rows  an iteration with no draft token still needs Q_1 (RD's no-draft step emits
                     from norm((P_1 − a·Q_1)+)); for the others an empty tree samples P_1 alone.
   lean rows         the draft rows may go to the verifier lean (docs/algorithms.md §12): each
@@ -77,9 +81,8 @@ class Method:
     draft_shapes: frozenset[DraftShape] = frozenset()  # ersd: a tree only when a budget is asked for
     pipelinable: bool = False  # its sequence iterations can be pre-drafted during verification
     adaptive_length: bool = False  # its pre-drafts may grow until the verifier answers (glossary)
-    coins: bool = False  # randomised drafting: takes `a`; coins fix each iteration's draft length
+    drafting: str = "none"  # the drafting strategy's name (glossary; orchestrator.drafting.STRATEGIES)
     empty_draft_needs_rows: bool = False
-    k_is_tree_budget: bool = False  # the request's k is this method's node budget
     lean_rows: bool = False  # its draft rows go lean by default: q per node, rows on demand (glossary)
 
     @property
@@ -93,6 +96,16 @@ class Method:
         if self.rule is None:
             raise VerificationError(f"method {self.name!r} verifies no drafts")
         return _resolve(self.rule)
+
+    @property
+    def takes_a(self) -> bool:
+        """Whether requests give this method a drafting probability `a` (its coins use it)."""
+        return self.drafting == "coins"
+
+    @property
+    def k_is_tree_budget(self) -> bool:
+        """Whether the request's k is this method's node budget (it drafts trees only)."""
+        return self.drafting == "tree"
 
     @property
     def drafts_trees(self) -> bool:
@@ -110,7 +123,7 @@ class Method:
         """
         if not self.needs_draft_rows:
             return False
-        if self.coins:
+        if self.takes_a:
             check_drafting_probability(params.a)
             if params.a == 0.0:
                 return False
@@ -124,7 +137,7 @@ class Method:
         along and only a rejection costs a second round trip. Every other lean rule reads rows
         only on a rejection: none up front.
         """
-        if self.coins and num_drafted < params.k_max and self.needs_rows(params, num_drafted):
+        if self.takes_a and num_drafted < params.k_max and self.needs_rows(params, num_drafted):
             return (num_drafted,)
         return ()
 
@@ -140,6 +153,7 @@ METHODS: dict[str, Method] = {
             needs_random_source=True,
             draft_strategy="sample",
             draft_shapes=frozenset({"sequence"}),
+            drafting="sequence",
             pipelinable=True,
             adaptive_length=True,
             lean_rows=True,
@@ -152,6 +166,7 @@ METHODS: dict[str, Method] = {
             needs_random_source=True,
             draft_strategy="sample",
             draft_shapes=frozenset({"sequence"}),
+            drafting="sequence",
             pipelinable=True,
         ),
         Method(
@@ -161,6 +176,7 @@ METHODS: dict[str, Method] = {
             rule="specdec.verification.ersd:verify_ersd",
             draft_strategy="race",
             draft_shapes=frozenset({"sequence", "tree"}),
+            drafting="sequence",
             pipelinable=True,
             adaptive_length=True,
         ),
@@ -172,7 +188,7 @@ METHODS: dict[str, Method] = {
             needs_random_source=True,
             draft_strategy="sample",
             draft_shapes=frozenset({"tree"}),
-            k_is_tree_budget=True,
+            drafting="tree",
             lean_rows=True,
         ),
         Method(
@@ -184,8 +200,8 @@ METHODS: dict[str, Method] = {
             needs_random_source=True,
             draft_strategy="sample",
             draft_shapes=frozenset({"sequence"}),
+            drafting="coins",
             pipelinable=True,
-            coins=True,
             empty_draft_needs_rows=True,
             lean_rows=True,
         ),

@@ -52,6 +52,9 @@ def _fake_tree(root: Path, core_imports: str) -> None:
     core = next(c for c in config["contracts"] if c.get("containers") == ["specdec"])["layers"][-1]
     for name in (n.strip() for n in core.split(":")):
         (root / "specdec" / f"{name}.py").write_text(core_imports if name == "methods" else "")
+    loop = next(c for c in config["contracts"] if c.get("containers") == ["orchestrator"])["layers"]
+    for name in (n.strip() for layer in loop for n in re.split(r"[:|]", layer)):
+        (root / "orchestrator" / f"{name}.py").write_text("")  # the orchestrator's modules, empty
     shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
 
 
@@ -92,3 +95,26 @@ def test_core_imports_no_io_frameworks() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+TYPE_LEVEL_IMPORT = ("from typing import TYPE_CHECKING\n\n"
+                     "if TYPE_CHECKING:\n    from orchestrator.drafting import base\n")
+
+
+@pytest.mark.parametrize("module, violation", [
+    ("sessions.py", "from orchestrator import speculation\n"),  # a session calling back up into the loop
+    ("run.py", TYPE_LEVEL_IMPORT),  # a run typed by a strategy: a circle hidden behind TYPE_CHECKING
+    ("drafting/lookahead.py", "from orchestrator import engine_link\n"),  # siblings stay independent
+])
+def test_the_orchestrator_contract_catches_an_upward_or_type_level_import(
+    tmp_path: Path, module: str, violation: str
+) -> None:
+    """A negative control for the orchestrator's layers: the real packages, one import added."""
+    for package in ("specdec", "orchestrator", "drafter_service", "verifier_service", "bench"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / "orchestrator" / module
+    target.write_text(target.read_text() + "\n" + violation)
+    result = _lint_imports(tmp_path, tmp_path)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "Inside orchestrator" in result.stdout and "BROKEN" in result.stdout, result.stdout[-2000:]

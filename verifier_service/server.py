@@ -1,6 +1,6 @@
 """gRPC adapter around a verifier engine: parse, call the engine off the loop, encode, map errors.
 
-The engine (specdec.engine.verifier.VerifierEngine or anything with the same methods) is
+The engine (specdec.engine.verifier.VerifierEngine or anything with VerifierBackend's methods) is
 synchronous; calls run in a worker pool so the event loop keeps serving health checks and
 other sessions. Tokenize and Decode have a pool of their own: a long text never waits in front
 of the forward passes of Score and Verify (with --no-batching their pool has one worker). Errors
@@ -13,12 +13,21 @@ import functools
 import logging
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
-from specdec.engine.api import MAX_TREE_NODES, ContextTooLong, InvalidRequest
+from specdec.engine.api import (
+    MAX_TREE_NODES,
+    ContextTooLong,
+    InvalidRequest,
+    ModelInfo,
+    ScoreRequest,
+    VerifyOutcome,
+    VerifyRequest,
+)
+from specdec.generation import ChatMessage
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
     EngineServicer,
@@ -39,7 +48,28 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_
 TEXT_WORKERS = 2
 
 
-def check_counts(engine: Any, name: str, tokens: int, nodes: int = 0) -> None:
+class VerifierBackend(Protocol):
+    """What the VerifierService calls on its engine (specdec.engine.verifier.VerifierEngine), so that
+    a stand-in engine in a test needs these and no more. Calls run in worker threads; an optional
+    `batching.workers` sizes their pool (specdec.rpc.grpc_support.engine_workers)."""
+
+    def info(self) -> ModelInfo: ...
+
+    def release(self, session_id: str) -> bool: ...
+
+    def score(self, request: ScoreRequest) -> None: ...
+
+    def verify(self, request: VerifyRequest) -> VerifyOutcome: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[ChatMessage],
+                            chat_template: str | None = None) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+def check_counts(engine: VerifierBackend, name: str, tokens: int, nodes: int = 0) -> None:
     """Refuse repeated fields no call may be that long, by their counts alone: before they are read
     into lists (a 64 MB message holds tens of millions of token ids) or the engine sees the call."""
     context = engine.info().max_context
@@ -51,8 +81,8 @@ def check_counts(engine: Any, name: str, tokens: int, nodes: int = 0) -> None:
 
 
 class VerifierServicer(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, engine: Any, executor: Executor | None = None, observers: Sequence[Any] = (),
-                 text_executor: Executor | None = None) -> None:
+    def __init__(self, engine: VerifierBackend, executor: Executor | None = None,
+                 observers: Sequence[Any] = (), text_executor: Executor | None = None) -> None:
         """`text_executor` runs Tokenize and Decode (default: `executor`, with the engine's passes)."""
         super().__init__(engine, executor, observers)
         self.text_executor = text_executor if text_executor is not None else executor
@@ -93,7 +123,7 @@ class VerifierServicer(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer
 
 
 async def start_verifier_server(
-    engine: Any,
+    engine: VerifierBackend,
     host: str = "127.0.0.1",
     port: int = 0,
     *,

@@ -19,9 +19,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,10 +39,33 @@ log = logging.getLogger(__name__)
 FALLBACK_MODEL_NAME = "specdec"
 
 
+class TokenLimit(Protocol):
+    """The one setting the routes read of the orchestrator's config (a chat's default max_tokens)."""
+
+    @property
+    def max_new_tokens_limit(self) -> int: ...
+
+
+class OpenAIBackend(Protocol):
+    """What the HTTP routes call on the orchestrator (orchestrator.speculation.Orchestrator), so the
+    door needs no more of it than this. An optional `target_info` (ModelInfo | None) names the
+    served model and its context length once the verifier is met."""
+
+    @property
+    def config(self) -> TokenLimit: ...
+
+    async def ensure_serving(self) -> None: ...
+
+    async def generate(self, request: GenerationRequest, *, owner: str) -> GenerationResult: ...
+
+    def generate_stream(self, request: GenerationRequest, *,
+                        owner: str) -> AsyncIterator[GenerationChunk]: ...
+
+
 class OpenAIFrontDoor:
     """What the routes need of the orchestrator: its generation calls, its serving state, its name."""
 
-    def __init__(self, orchestrator: Any, *, served_model_name: str | None = None,
+    def __init__(self, orchestrator: OpenAIBackend, *, served_model_name: str | None = None,
                  tokens: Collection[str] = ()) -> None:
         self.orchestrator = orchestrator
         self.served_model_name = served_model_name
@@ -70,7 +93,7 @@ class OpenAIFrontDoor:
             raise NotFound(f"model {model!r} does not exist; this server serves {self.model_name!r}")
 
 
-def create_app(orchestrator: Any, *, served_model_name: str | None = None,
+def create_app(orchestrator: OpenAIBackend, *, served_model_name: str | None = None,
                tokens: Collection[str] = ()) -> FastAPI:
     """The ASGI app over `orchestrator` (orchestrator.speculation.Orchestrator or alike)."""
     door = OpenAIFrontDoor(orchestrator, served_model_name=served_model_name, tokens=tokens)
@@ -159,7 +182,7 @@ async def _respond(door: OpenAIFrontDoor, samples: list[GenerationRequest], owne
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _all_results(orchestrator: Any, samples: Sequence[GenerationRequest],
+async def _all_results(orchestrator: OpenAIBackend, samples: Sequence[GenerationRequest],
                        owner: str) -> list[GenerationResult]:
     """All samples at once (each takes its own request slot); the first error cancels the rest."""
     try:
@@ -171,7 +194,7 @@ async def _all_results(orchestrator: Any, samples: Sequence[GenerationRequest],
 
 
 async def merged_chunks(streams: Sequence[AsyncIterator[GenerationChunk]],
-                        ) -> AsyncIterator[tuple[int, GenerationChunk]]:
+                        ) -> AsyncGenerator[tuple[int, GenerationChunk], None]:
     """(choice index, chunk) as the streams produce them, one at a time; an error of any ends the
     merge with it, and every stream is closed however the merge ends."""
     queue: asyncio.Queue[tuple[int, GenerationChunk | None, BaseException | None]] = asyncio.Queue(

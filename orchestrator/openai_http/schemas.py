@@ -46,7 +46,8 @@ class _Common(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # extra body fields (vLLM's convention for what OpenAI has no field for)
+    # extra body fields (vLLM's convention for what OpenAI has no field for); None (or an empty
+    # method) leaves method, k, a and pipeline to the orchestrator's settings
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool = False
     method: str | None = None
@@ -75,7 +76,7 @@ class _Common(BaseModel):
                 top_k=max(self.top_k or 0, 0),  # vLLM's -1 means off, as 0 does here
                 top_p=1.0 if self.top_p is None else self.top_p),
             stop=stop, stop_token_ids=[] if self.ignore_eos else None, seed=self.seed,
-            method=self.method or "", k=self.k, a=self.a, pipeline=self.pipeline)
+            method=self.method or None, k=self.k, a=self.a, pipeline=self.pipeline)
 
 
 class CompletionRequest(_Common):

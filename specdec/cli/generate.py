@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from orchestrator.processes import DEFAULT_ORCHESTRATOR_ADDRESS
 from specdec.cli.common import (
     CliError,
     describe_error,
@@ -41,7 +40,15 @@ from specdec.cli.options import (
     client_security,
     one_of,
 )
-from specdec.defaults import AUTO_PRECISION
+from specdec.cli.processes import DEFAULT_ORCHESTRATOR_ADDRESS
+from specdec.defaults import (
+    AUTO_PRECISION,
+    DEFAULT_A,
+    DEFAULT_K,
+    DEFAULT_METHOD,
+    DEFAULT_PIPELINE,
+    DEFAULT_TREE_BUDGET,
+)
 from specdec.methods import METHOD_NAMES
 
 if TYPE_CHECKING:
@@ -96,9 +103,9 @@ def parse_prompt_ids(text: str | None) -> list[int] | None:
 
 def build_request(*, prompt: str | None, prompt_ids: list[int] | None, max_new_tokens: int,
                   temperature: float, top_k: int, top_p: float, stop: list[str] | None, ignore_eos: bool,
-                  seed: int | None, method: str, k: int | None, tree_budget: int | None, a: float | None,
-                  pipeline: bool | None, pipeline_max_k: int | None, bonus_guesses: int | None,
-                  rejection_guesses: int | None, chat: bool = False,
+                  seed: int | None, method: str | None, k: int | None, tree_budget: int | None,
+                  a: float | None, pipeline: bool | None, pipeline_max_k: int | None,
+                  bonus_guesses: int | None, rejection_guesses: int | None, chat: bool = False,
                   system: str | None = None) -> GenerationRequest:
     """The request that `generate`'s options describe (one per run; samples vary only its seed).
 
@@ -153,21 +160,26 @@ def generate(
     threads: Annotated[int | None, typer.Option(
         "--threads", help="In-process mode: torch CPU threads. Default: torch's default.",
         show_default=False)] = None,
-    method: Annotated[str, typer.Option(
+    method: Annotated[str | None, typer.Option(
         "--method", callback=one_of(METHOD_NAMES),
-        help=f"Verification method: {' | '.join(METHOD_NAMES)}.")] = "token",
+        help=f"Verification method: {' | '.join(METHOD_NAMES)}. Default: the orchestrator's "
+        f"(its --default-method; {DEFAULT_METHOD} unless set).", show_default=False)] = None,
     k: Annotated[int | None, typer.Option(
         "--k", "-k", help="Draft length (token, block, ersd; rd's k_max) or tree budget (gsd-tree). "
-        "Default: the orchestrator's (4; 8 nodes for gsd-tree).", show_default=False)] = None,
+        f"Default: the orchestrator's (its --default-k; {DEFAULT_K} unless set or calibrated, picked online "
+        f"for requests without --seed under its --adaptive-k; {DEFAULT_TREE_BUDGET} nodes for gsd-tree).",
+        show_default=False)] = None,
     tree_budget: Annotated[int | None, typer.Option(
         "--tree-budget", help="Draft-tree node budget (gsd-tree; ersd drafts a tree when given). "
         "Default: the orchestrator's.", show_default=False)] = None,
     a: Annotated[float | None, typer.Option(
-        "--a", help="RD drafting probability in [0, 1] (method rd). Default: the orchestrator's (0.5).",
+        "--a", help="RD drafting probability in [0, 1] (method rd). Default: the orchestrator's (its "
+        f"--default-a; {DEFAULT_A:g} unless set or calibrated).",
         show_default=False)] = None,
     pipeline: Annotated[bool | None, typer.Option(
         "--pipeline/--no-pipeline", help="Pre-draft the next block while the verifier checks this one "
-        "(token, block, ersd, rd at K = k_max; exact either way). Default: the orchestrator's (on).",
+        "(token, block, ersd, rd at K = k_max; exact either way). Default: the orchestrator's "
+        f"(its $SPECDEC_PIPELINE; {'on' if DEFAULT_PIPELINE else 'off'} unless set).",
         show_default=False)] = None,
     pipeline_max_k: Annotated[int | None, typer.Option(
         "--pipeline-max-k", help="With --pipeline (token, ersd): let a pre-drafted block grow until the "

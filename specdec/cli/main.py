@@ -11,7 +11,7 @@
 Shared pieces: cli.options (option types, parse helpers), cli.common (consoles, one-line
 errors, model resolution, environment defaults, exit). The CLI is an adapter only: it parses
 options, builds configs / clients / engines and calls the orchestrator; process supervision
-lives in orchestrator.processes. Heavy imports (torch, transformers, grpc) happen inside the
+lives in cli.processes. Heavy imports (torch, transformers, grpc) happen inside the
 commands so that `--help` answers at once, and importing the CLI changes no environment
 variable (the root callback sets the defaults when a command runs).
 

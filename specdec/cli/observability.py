@@ -214,8 +214,8 @@ def trace_report(
 ) -> None:
     """Turn the spans of a run into a self-contained HTML timeline: draft vs verify per iteration,
     accepted tokens, overlap; optionally Chrome/Perfetto JSON and a screenshot."""
-    from orchestrator import trace_report as report
-    from orchestrator.span_files import SpanFileError, load_spans
+    from specdec.cli import trace_report as report
+    from specdec.cli.span_files import SpanFileError, load_spans
 
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
@@ -261,12 +261,12 @@ def trace_collect(
 ) -> None:
     """Receive spans over OTLP/gRPC (point OTEL_EXPORTER_OTLP_ENDPOINT or --otlp-endpoint at it) and
     write them as JSON lines for `specdec trace-report`."""
-    from orchestrator.trace_collector import run_collector
+    from specdec.cli.trace_collector import run_collector
 
     def ready(bound: int) -> None:
         typer.echo(f"collecting OTLP spans on {host}:{bound} → {out}", err=True)
         if ready_file is not None:
-            from orchestrator.processes import write_ready_file
+            from specdec.cli.processes import write_ready_file
 
             write_ready_file(ready_file, {"address": f"{host}:{bound}", "host": host, "port": bound,
                                          "pid": os.getpid(), "out": str(out)})

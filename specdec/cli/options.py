@@ -15,9 +15,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from orchestrator import processes
+from specdec.cli import processes
 from specdec.cli.common import fail
-from specdec.defaults import AUTO_PRECISION, PRECISIONS, resolve_precision
+from specdec.defaults import (
+    AUTO_PRECISION,
+    DEFAULT_A,
+    DEFAULT_K,
+    DEFAULT_METHOD,
+    DEFAULT_TREE_BUDGET,
+    PRECISIONS,
+    resolve_precision,
+)
 from specdec.methods import METHOD_NAMES
 
 if TYPE_CHECKING:  # grpc is imported only when a command runs
@@ -69,10 +77,23 @@ def check_device(value: str | None) -> str | None:
 
 DeviceOpt = Annotated[str, typer.Option("--device", callback=check_device,
                                         help="torch device of the model: cpu, cuda, cuda:N or mps.")]
+# The orchestrator's defaults of a request's knobs: one declaration each, for `serve orchestrator` and
+# `up` alike; the values in the help come from specdec.defaults, where OrchestratorConfig takes them.
 DefaultMethodOpt = Annotated[str | None, typer.Option(
     "--default-method", callback=one_of(METHOD_NAMES), help=(
         f"Method of requests that name none: {' | '.join(METHOD_NAMES)}. Default: "
-        "$SPECDEC_DEFAULT_METHOD, else token."), show_default=False)]
+        f"$SPECDEC_DEFAULT_METHOD, else {DEFAULT_METHOD}."), show_default=False)]
+DefaultKOpt = Annotated[int | None, typer.Option(
+    "--default-k", min=1, help=(
+        "Draft length (token, block, ersd; RD's k_max) of requests without k; with --adaptive-k, where "
+        "the online k of requests without a seed starts (gsd-tree's default is a tree budget of "
+        f"{DEFAULT_TREE_BUDGET} nodes). Default: $SPECDEC_DEFAULT_K, else the pair's saved calibration "
+        f"(`specdec analyze --save`), else {DEFAULT_K}."),
+    show_default=False)]
+DefaultAOpt = Annotated[float | None, typer.Option(
+    "--default-a", min=0.0, max=1.0, help=(
+        "RD drafting probability of requests without a. Default: $SPECDEC_DEFAULT_A, else the pair's "
+        f"saved calibration (`specdec analyze --save`), else {DEFAULT_A:g}."), show_default=False)]
 
 
 DtypeOpt = Annotated[str, typer.Option("--dtype", callback=one_of(PRECISION_CHOICES), help=(

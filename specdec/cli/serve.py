@@ -17,14 +17,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from orchestrator import processes
-from orchestrator.processes import (
-    DEFAULT_DRAFTER_PORT,
-    DEFAULT_HOST,
-    DEFAULT_ORCHESTRATOR_PORT,
-    DEFAULT_VERIFIER_PORT,
-    ProcessError,
-)
+from specdec.cli import processes
 from specdec.cli.commands import ServeCommand, SpecdecGroup
 from specdec.cli.common import (
     CliError,
@@ -56,6 +49,8 @@ from specdec.cli.options import (
     BatchWindowOpt,
     ChatTemplateOpt,
     CoresOpt,
+    DefaultAOpt,
+    DefaultKOpt,
     DefaultMethodOpt,
     DeviceOpt,
     DraftRowsOpt,
@@ -92,6 +87,13 @@ from specdec.cli.options import (
     connect_address,
     parse_cores,
     server_security,
+)
+from specdec.cli.processes import (
+    DEFAULT_DRAFTER_PORT,
+    DEFAULT_HOST,
+    DEFAULT_ORCHESTRATOR_PORT,
+    DEFAULT_VERIFIER_PORT,
+    ProcessError,
 )
 from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
 from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
@@ -319,12 +321,8 @@ def serve_orchestrator(
     port: PortOpt = DEFAULT_ORCHESTRATOR_PORT,
     max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
     default_method: DefaultMethodOpt = None,
-    default_k: Annotated[int | None, typer.Option(
-        "--default-k", help="Draft length of requests without k. Default: $SPECDEC_DEFAULT_K, else 2.",
-        show_default=False)] = None,
-    default_a: Annotated[float | None, typer.Option(
-        "--default-a", help="RD drafting probability of requests without a. Default: $SPECDEC_DEFAULT_A, "
-        "else 0.5.", show_default=False)] = None,
+    default_k: DefaultKOpt = None,
+    default_a: DefaultAOpt = None,
     store_url: Annotated[str | None, typer.Option(
         "--store-url", help="redis://host:port/db keeps requests and calibration in Redis. "
         "Default: $SPECDEC_STORE_URL, else in memory.", show_default=False)] = None,

@@ -1,6 +1,6 @@
 """`specdec up`: drafter, verifier and orchestrator as three supervised processes on this machine.
 
-Each child is `python -m specdec.cli serve ROLE ...` (orchestrator.processes starts, pins,
+Each child is `python -m specdec.cli serve ROLE ...` (specdec.cli.processes starts, pins,
 health-waits, watches and stops them); this module only turns the options into their arguments.
 """
 
@@ -15,16 +15,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator import processes
-from orchestrator.processes import (
-    DEFAULT_DRAFTER_PORT,
-    DEFAULT_HOST,
-    DEFAULT_HTTP_PORT,
-    DEFAULT_ORCHESTRATOR_ADDRESS,
-    DEFAULT_ORCHESTRATOR_PORT,
-    DEFAULT_VERIFIER_PORT,
-    ProcessError,
-)
+from specdec.cli import processes
 from specdec.cli.common import CliError, err, fail, resolve_model
 from specdec.cli.observability import MetricsHostOpt, ObservabilityOptions, OtlpEndpointOpt, TraceFileOpt
 from specdec.cli.options import (
@@ -37,6 +28,8 @@ from specdec.cli.options import (
     BatchingOpt,
     BatchWindowOpt,
     ChatTemplateOpt,
+    DefaultAOpt,
+    DefaultKOpt,
     DefaultMethodOpt,
     DraftRowsOpt,
     DtypeOpt,
@@ -63,6 +56,15 @@ from specdec.cli.options import (
     parse_cores,
     precision_line,
     server_security,
+)
+from specdec.cli.processes import (
+    DEFAULT_DRAFTER_PORT,
+    DEFAULT_HOST,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_ORCHESTRATOR_ADDRESS,
+    DEFAULT_ORCHESTRATOR_PORT,
+    DEFAULT_VERIFIER_PORT,
+    ProcessError,
 )
 from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
 from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
@@ -110,8 +112,8 @@ def up(
     max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
     batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS,
     default_method: DefaultMethodOpt = None,
-    default_k: Annotated[int | None, typer.Option(
-        "--default-k", help="Draft length of requests without k. Default: 2.", show_default=False)] = None,
+    default_k: DefaultKOpt = None,
+    default_a: DefaultAOpt = None,
     store_url: Annotated[str | None, typer.Option(
         "--store-url", help="redis://host:port/db for the orchestrator's store. Default: in memory.",
         show_default=False)] = None,
@@ -178,9 +180,13 @@ def up(
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
         tls_require_client_cert=tls_require_client_cert, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
         tls_client_key=tls_client_key, tls_server_name=tls_server_name, auth_token_file=auth_token_file)
-    ports = [("--port", port), ("--drafter-port", drafter_port), ("--verifier-port", verifier_port)]
-    for option, value in ports + ([] if no_http else [("--http-port", http_port)]):
-        check_port_free(host, value, option)
+    # Usage errors first (exit 2), then what is missing here (models), then the ports: a bad
+    # option is reported as such even while another `up` holds the default ports.
+    d_cores = v_cores = None
+    if not no_pin:
+        d_default, v_default = processes.default_core_split()
+        d_cores = parse_cores(drafter_cores, "--drafter-cores") or d_default
+        v_cores = parse_cores(verifier_cores, "--verifier-cores") or v_default
     try:
         draft_path = resolve_model(draft, "draft")
         target_path = resolve_model(target, "target")
@@ -188,11 +194,9 @@ def up(
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
         raise fail("interrupted", 130) from None
-    d_cores = v_cores = None
-    if not no_pin:
-        d_default, v_default = processes.default_core_split()
-        d_cores = parse_cores(drafter_cores, "--drafter-cores") or d_default
-        v_cores = parse_cores(verifier_cores, "--verifier-cores") or v_default
+    ports = [("--port", port), ("--drafter-port", drafter_port), ("--verifier-port", verifier_port)]
+    for option, value in ports + ([] if no_http else [("--http-port", http_port)]):
+        check_port_free(host, value, option)
 
     err.print(precision_line(dtype, drafter=drafter_device, verifier=verifier_device))
     _warn_if_exposed(host, tls=tls_cert is not None, client_token=auth_token_file is not None,
@@ -231,7 +235,8 @@ def up(
                     "--host", host, "--port", str(port), "--max-message-mb", str(max_message_mb),
                     *tls_args, *orchestrator_args, "--engine-token-file", str(engine_token)]
             for flag, value in (("--default-method", default_method), ("--default-k", default_k),
-                                ("--store-url", store_url), ("--draft-rows", draft_rows),
+                                ("--default-a", default_a), ("--store-url", store_url),
+                                ("--draft-rows", draft_rows),
                                 ("--max-active-requests", max_active_requests),
                                 ("--queue-timeout", queue_timeout), ("--request-ttl", request_ttl),
                                 ("--max-prompt-bytes", max_prompt_bytes),

@@ -139,6 +139,23 @@ class ScoreRequest:
     sampling: SamplingParams
 
 
+@dataclass(frozen=True)
+class TextCursor:
+    """Where the caller's output text stands, for a verify that also returns the text of the tokens
+    it emits (incremental detokenization, specdec.runtime.detokenize): absolute indexes into the
+    session's committed sequence, so the engine keeps no text state and a resent session keeps them.
+
+    `start`: the first output token (the prompt's length); the text is that of committed[start:].
+    `read`: tokens in [start, read) are settled, their text is entirely in the caller's text.
+    `prefix` (<= read): where the decode window starts (TGI/vLLM's prefix_offset): the tokens
+    before `read` that the next tokens are decoded next to, for context.
+    """
+
+    start: int
+    prefix: int
+    read: int
+
+
 @dataclass
 class VerifyRequest:
     """The draft side comes full (`draft_probs`, [n + 1, V]) or lean (docs/algorithms.md §12): per
@@ -159,6 +176,9 @@ class VerifyRequest:
     draft_token_probs: list[float] = field(default_factory=list)
     draft_row_indices: list[int] = field(default_factory=list)
     draft_row_values: torch.Tensor | None = None
+    # Also return the text of the emitted tokens (VerifyOutcome.text_*), from this cursor (the
+    # last outcome's text_cursor; TextCursor(n, n, n) for a prompt of n tokens). None: no text.
+    text: TextCursor | None = None
 
     @property
     def lean(self) -> bool:
@@ -178,7 +198,15 @@ class VerifyRequest:
 @dataclass
 class VerifyOutcome:
     """tokens is empty exactly when draft_rows_needed is not: a lean verify reached draft rows it
-    was not given; nothing was committed, and the same request with those rows too decides."""
+    was not given; nothing was committed, and the same request with those rows too decides.
+
+    The text fields answer a request with `text` set (else they are empty / None). With `settled`
+    the caller's text of committed[start:read] (request.text's cursor), for each n in
+    1..len(tokens): settled + "".join(text_pieces[:n]) + text_tails[n - 1] is the one-shot
+    decode of the output up to token n (skip_special_tokens=True: special tokens such as EOS add
+    no text; clean_up_tokenization_spaces=False). So a caller that keeps fewer tokens (a stop
+    token, max_new_tokens) still knows its text exactly.
+    """
 
     tokens: list[int]  # accepted path + one extra token; the engine has committed them
     accepted_nodes: list[int]
@@ -190,3 +218,11 @@ class VerifyOutcome:
     reused_tokens: int = 0
     extra: dict[str, float] = field(default_factory=dict)
     draft_rows_needed: list[int] = field(default_factory=list)
+    # One per emitted token: the text it settles ("" while it ends mid-character or adds nothing).
+    text_pieces: list[str] = field(default_factory=list)
+    # One per emitted token: the unsettled text after it, as a decode shows it (often "\ufffd" for
+    # a partial character; usually ""). It may still change: only pieces are final.
+    text_tails: list[str] = field(default_factory=list)
+    # The cursor after every emitted token: the next verify's request.text. None when no text was
+    # asked for, or (never expected) the engine could not make it: decode the ids instead.
+    text_cursor: TextCursor | None = None

@@ -16,11 +16,16 @@ nothing: it parks its forward pass (and warped rows) the same way and answers
 `draft_rows_needed`. The retry — the same request plus those rows — reuses them and re-runs the
 rule with the same seeded source, keyed on the committed length, so it decides exactly as the
 full rows would have.
+
+A verify with `text` set also returns the text of the tokens it emits (specdec.runtime.detokenize:
+a few short decodes per token, after the session's lock), so the caller needs no Decode round trip
+over the whole output each iteration.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +39,7 @@ from specdec.engine.api import (
     InvalidRequest,
     ModelInfo,
     ScoreRequest,
+    TextCursor,
     VerifyOutcome,
     VerifyRequest,
 )
@@ -43,6 +49,7 @@ from specdec.methods import Method, verification_method
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.batching import ForwardBatcher
+from specdec.runtime.detokenize import check_cursor, detokenize
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import TreeScore, commit_path, score_tree
@@ -52,6 +59,8 @@ from specdec.trees import DraftTree, DraftTreeError
 from specdec.verification.base import MethodParams, VerificationError, check_rows
 from specdec.verification.dispatch import verify
 from specdec.verification.lean import DraftRowsNeeded, LeanDraft, check_lean
+
+log = logging.getLogger(__name__)
 
 DraftRows = torch.Tensor | LeanDraft | None  # full rows, a lean draft, or none (the method reads none)
 
@@ -168,16 +177,14 @@ class VerifierEngine:
         return [int(t) for t in ids]
 
     def decode(self, token_ids: list[int]) -> str:
-        """Text of the ids, special tokens included (skip_special_tokens=False): exact, never lossy."""
+        """The output text of the ids, as VerifyOutcome.text_* give it: special tokens (EOS, chat
+        markers) are no text, as in vLLM's and OpenAI's outputs."""
         context = self.loaded.info.max_context
         if context > 0 and len(token_ids) > context:
             raise InvalidRequest(f"token_ids: {len(token_ids)} ids, more than the context window of "
                                  f"{context} tokens can hold")
         check_tokens("token_ids", token_ids, self.loaded.info.vocab_size)
-        with self._tokenizer_lock:
-            return self.loaded.tokenizer.decode(
-                [int(t) for t in token_ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
+        return self._decode_output(token_ids)
 
     def _check_text_size(self, text: str) -> None:
         """ContextTooLong for a text too long to fit the context window, before encoding it: its
@@ -231,6 +238,11 @@ class VerifierEngine:
         draft = self._draft_rows(request, method, tree)
         with self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member():
             committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
+            if request.text is not None:
+                try:
+                    check_cursor(request.text, len(committed))
+                except ValueError as exc:
+                    raise InvalidRequest(f"text: {exc}") from None
             key = _key(committed, tree)
             scored, session.scored = session.scored, None
             if scored is not None and scored.key != key:
@@ -266,7 +278,7 @@ class VerifierEngine:
                     committed_len=len(committed), forward_seconds=forward_seconds,
                     verify_seconds=time.perf_counter() - began, reused_tokens=score.reused,
                     extra={"pending_tokens": float(score.pending_len), "score_reused": float(reused)},
-                    draft_rows_needed=list(need.rows),
+                    draft_rows_needed=list(need.rows), text_cursor=request.text,
                 )
             verify_seconds = time.perf_counter() - began
 
@@ -275,9 +287,9 @@ class VerifierEngine:
             except BaseException:
                 session.kv = self._new_session().kv
                 raise
-            session.committed = committed + [int(t) for t in result.tokens]
+            session.committed = ids = committed + [int(t) for t in result.tokens]
             session.last_verified = key
-            return VerifyOutcome(
+            outcome = VerifyOutcome(
                 tokens=[int(t) for t in result.tokens],
                 accepted_nodes=[int(n) for n in result.accepted_nodes],
                 accept_flags=[bool(f) for f in result.accept_flags],
@@ -288,6 +300,29 @@ class VerifierEngine:
                 reused_tokens=score.reused,
                 extra={"pending_tokens": float(score.pending_len), "score_reused": float(reused)},
             )
+        if request.text is not None:  # after the session's lock: other calls of the session go on
+            self._add_text(outcome, ids, request.text)
+        return outcome
+
+    def _add_text(self, outcome: VerifyOutcome, ids: list[int], cursor: TextCursor) -> None:
+        """Fill the outcome's text fields (specdec.runtime.detokenize) from the committed `ids` (this
+        call's own list: nothing changes it in place). The tokens are committed already, so a failure
+        here only leaves the text out (text_cursor None: the caller decodes the ids instead)."""
+        try:
+            step = detokenize(self._decode_output, ids, cursor, len(outcome.tokens))
+        except Exception:  # noqa: BLE001 - never lose a committed outcome over its text
+            log.exception("incremental detokenization failed; the outcome goes without text")
+            return
+        outcome.text_pieces, outcome.text_tails, outcome.text_cursor = step.pieces, step.tails, step.cursor
+        if step.fallbacks:
+            outcome.extra["text_fallbacks"] = float(step.fallbacks)
+
+    def _decode_output(self, ids) -> str:
+        """Output text as the user sees it: special tokens (EOS, …) are no text. One short decode per
+        lock hold, so a tokenize or decode of another session waits for microseconds at most."""
+        with self._tokenizer_lock:
+            return self.loaded.tokenizer.decode(
+                [int(t) for t in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     # helpers --------------------------------------------------------------------------------
     def _check_length(self, append: list[int], tree: DraftTree) -> None:

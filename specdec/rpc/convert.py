@@ -29,6 +29,7 @@ from specdec.engine.api import (
     LookaheadResult,
     ModelInfo,
     ScoreRequest,
+    TextCursor,
     VerifyOutcome,
     VerifyRequest,
 )
@@ -301,6 +302,8 @@ def verify_request_to_proto(req: VerifyRequest) -> verifier_pb2.VerifyRequest:
     msg.draft_row_indices.extend(to_ints(req.draft_row_indices, "draft_row_indices"))
     if req.draft_row_values is not None:
         msg.draft_row_values.CopyFrom(tensor_to_proto(req.draft_row_values, "draft_row_values"))
+    if req.text is not None:
+        msg.text.CopyFrom(text_cursor_to_proto(req.text))
     return msg
 
 
@@ -319,6 +322,7 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> VerifyRequest:
         draft_token_probs=list(msg.draft_token_probs),
         draft_row_indices=list(msg.draft_row_indices),
         draft_row_values=_optional_tensor(msg, "draft_row_values", "draft_row_values"),
+        text=text_cursor_from_proto(msg.text) if msg.HasField("text") else None,
     )
     lean = req.lean_draft()
     if lean is not None:
@@ -330,7 +334,7 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> VerifyRequest:
 
 
 def verify_outcome_to_proto(outcome: VerifyOutcome) -> verifier_pb2.VerifyOutcome:
-    return verifier_pb2.VerifyOutcome(
+    msg = verifier_pb2.VerifyOutcome(
         tokens=to_ints(outcome.tokens, "tokens"),
         accepted_nodes=to_ints(outcome.accepted_nodes, "accepted_nodes"),
         accept_flags=[bool(f) for f in outcome.accept_flags],
@@ -341,7 +345,12 @@ def verify_outcome_to_proto(outcome: VerifyOutcome) -> verifier_pb2.VerifyOutcom
         reused_tokens=int(outcome.reused_tokens),
         extra={str(k): float(v) for k, v in outcome.extra.items()},
         draft_rows_needed=to_ints(outcome.draft_rows_needed, "draft_rows_needed"),
+        text_pieces=list(outcome.text_pieces),
+        text_tails=list(outcome.text_tails),
     )
+    if outcome.text_cursor is not None:
+        msg.text_cursor.CopyFrom(text_cursor_to_proto(outcome.text_cursor))
+    return msg
 
 
 def verify_outcome_from_proto(msg: verifier_pb2.VerifyOutcome) -> VerifyOutcome:
@@ -356,4 +365,17 @@ def verify_outcome_from_proto(msg: verifier_pb2.VerifyOutcome) -> VerifyOutcome:
         reused_tokens=msg.reused_tokens,
         extra=dict(msg.extra),
         draft_rows_needed=list(msg.draft_rows_needed),
+        text_pieces=list(msg.text_pieces),
+        text_tails=list(msg.text_tails),
+        text_cursor=text_cursor_from_proto(msg.text_cursor) if msg.HasField("text_cursor") else None,
     )
+
+
+def text_cursor_to_proto(cursor: TextCursor) -> verifier_pb2.TextCursor:
+    return verifier_pb2.TextCursor(start=int(cursor.start), prefix=int(cursor.prefix), read=int(cursor.read))
+
+
+def text_cursor_from_proto(msg: verifier_pb2.TextCursor) -> TextCursor:
+    """Values as sent; the engine checks them against the session (0 <= start <= prefix <= read <=
+    committed length)."""
+    return TextCursor(start=msg.start, prefix=msg.prefix, read=msg.read)

@@ -71,8 +71,9 @@ def generation_request_to_proto(req: GenerationRequest) -> generation_pb2.Genera
         max_new_tokens=int(req.max_new_tokens),
         sampling=sampling_to_proto(req.sampling),
         stop=list(req.stop),
-        method=req.method,
     )
+    if req.method is not None:  # unset: the orchestrator's default method
+        msg.method = req.method
     if req.prompt is not None:
         msg.prompt = req.prompt
     if req.prompt_ids is not None:
@@ -122,7 +123,7 @@ def generation_request_from_proto(msg: generation_pb2.GenerationRequest) -> Gene
         stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids.ids) if msg.HasField("stop_token_ids") else None,
         seed=msg.seed if msg.HasField("seed") else None,
-        method=msg.method if msg.HasField("method") else defaults.method,
+        method=msg.method if msg.HasField("method") else None,
         k=msg.k if msg.HasField("k") else None,
         a=msg.a if msg.HasField("a") else None,
         request_id=msg.request_id if msg.HasField("request_id") else None,

@@ -88,7 +88,7 @@ def test_kv_cache_mb_becomes_tokens_of_the_model() -> None:
 
 def test_up_passes_the_capacity_options_to_its_children(tmp_path, monkeypatch) -> None:
     """`up` with a fake supervisor: the arguments of each child parse as that `serve` command's."""
-    from orchestrator import processes
+    from specdec.cli import processes
     from specdec.cli import up as up_module
 
     captured: dict[str, list[str]] = {}

@@ -8,11 +8,11 @@ from dataclasses import fields
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.processes import DEFAULT_ORCHESTRATOR_ADDRESS
 from specdec.cli import app
 from specdec.cli import generate as cli_generate
 from specdec.cli.generate import GenerateRun, build_request, sample_request
 from specdec.cli.observability import ObservabilityOptions
+from specdec.cli.processes import DEFAULT_ORCHESTRATOR_ADDRESS
 from specdec.generation import GenerationRequest
 from specdec.sampling import SamplingParams
 
@@ -101,6 +101,8 @@ def test_the_defaults_are_the_request_defaults(recorded) -> None:
     assert result.exit_code == 0, result.output
     ((request, run),) = recorded["runs"]
     assert request == GenerationRequest(prompt="p")
+    # no --method / --k / --a / --pipeline: nothing is sent, the orchestrator's defaults apply
+    assert (request.method, request.k, request.a, request.pipeline) == (None, None, None, None)
     assert run == GenerateRun(address=DEFAULT_ORCHESTRATOR_ADDRESS, observability=ObservabilityOptions())
     assert not run.in_process
 

@@ -92,6 +92,31 @@ def test_generate_help_names_methods_and_default_address() -> None:
     assert "127.0.0.1:50050" in text
 
 
+def test_the_request_defaults_in_the_help_are_the_orchestrators() -> None:
+    """`serve orchestrator` and `up` declare --default-method/-k/-a once (specdec.cli.options), and every
+    help that names a default of a request's knobs states the orchestrator's own."""
+    from orchestrator.config import OrchestratorConfig
+    from specdec.cli import options
+
+    fields = OrchestratorConfig.model_fields  # the declared defaults ($SPECDEC_* aside)
+    built_in = {"method": fields["default_method"].default, "k": fields["default_k"].default,
+                "a": f"{fields['default_a'].default:g}"}
+    for path in (["serve", "orchestrator"], ["up"]):
+        text = _help(path)
+        assert f"$SPECDEC_DEFAULT_METHOD, else {built_in['method']}." in text
+        assert re.search(rf"\$SPECDEC_DEFAULT_K, else .*?else {built_in['k']}\.", text), path
+        assert re.search(rf"\$SPECDEC_DEFAULT_A, else .*?else {built_in['a']}\.", text), path
+        for name, declared in (("--default-method", options.DefaultMethodOpt),
+                               ("--default-k", options.DefaultKOpt), ("--default-a", options.DefaultAOpt)):
+            (param,) = [p for p in _command(path).params if name in p.opts]
+            assert param.help == declared.__metadata__[0].help, (path, name)
+    text = _help(["generate"])
+    assert f"--default-method; {built_in['method']} unless set" in text
+    assert f"--default-k; {built_in['k']} unless set" in text
+    assert f"{fields['default_tree_budget'].default} nodes for gsd-tree" in text
+    assert f"--default-a; {built_in['a']} unless set" in text
+
+
 def test_bad_usage_exits_2_without_traceback() -> None:
     runner = CliRunner()
     for args in (["generate", "--draft", "x"], ["generate", "--prompt-ids", "1,a"],

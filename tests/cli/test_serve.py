@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import typer
 
-from orchestrator.processes import DEFAULT_DRAFTER_PORT, DEFAULT_VERIFIER_PORT
 from specdec.cli import app
+from specdec.cli.processes import DEFAULT_DRAFTER_PORT, DEFAULT_VERIFIER_PORT
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
 

@@ -205,6 +205,8 @@ def test_build_request_from_a_prompt_and_keywords() -> None:
     request = build_request("def f", max_new_tokens=32, temperature=0, top_k=5, seed=3, stop=["\n\n"])
     assert request == GenerationRequest(prompt="def f", max_new_tokens=32, seed=3, stop=["\n\n"],
                                         sampling=SamplingParams(temperature=0, top_k=5))
+    # knobs not given stay None: the orchestrator's defaults (--default-method, --default-k, …) apply
+    assert (request.method, request.k, request.a, request.pipeline) == (None, None, None, None)
     base = GenerationRequest(prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.5, top_p=0.9))
     changed = build_request(base, top_k=4, seed=9)
     assert changed.sampling == SamplingParams(temperature=0.5, top_k=4, top_p=0.9) and changed.seed == 9

@@ -43,11 +43,15 @@ def test_capabilities() -> None:
     assert {n for n, m in METHODS.items() if m.adaptive_length} == {"token", "ersd"}
     assert {n for n, m in METHODS.items() if m.draft_strategy == "race"} == {"ersd"}
     assert {n for n, m in METHODS.items() if m.drafts_trees} == {"ersd", "gsd-tree"}
-    assert {n for n, m in METHODS.items() if m.coins} == {"rd"}
+    assert {n: m.drafting for n, m in METHODS.items()} == {
+        "token": "sequence", "block": "sequence", "ersd": "sequence", "gsd-tree": "tree", "rd": "coins",
+        "autoregressive": "none"}
+    assert {n for n, m in METHODS.items() if m.takes_a} == {"rd"}
     assert {n for n, m in METHODS.items() if m.k_is_tree_budget} == {"gsd-tree"}
     assert {n for n, m in METHODS.items() if m.needs_random_source} == {"token", "block", "gsd-tree", "rd"}
     for method in METHODS.values():
         assert method.speculative == (method.draft_strategy is not None) == bool(method.draft_shapes)
+        assert method.speculative == (method.drafting != "none")
         assert method.pipelinable or not method.adaptive_length
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.processes import check_health
+from specdec.cli.processes import check_health
 
 from .tools import ROOT, Tools, component, pod_labels, pod_spec, render, selects
 

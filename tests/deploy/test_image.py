@@ -77,7 +77,7 @@ def test_environment_is_offline_and_points_at_the_model_volume() -> None:
     env = image_env()
     assert env["HF_HUB_OFFLINE"] == "1"
     assert env["SPECDEC_HOME"] == chart_values()["models"]["mountPath"]
-    from orchestrator.processes import CHILD_ENV_DEFAULTS  # the pods' processes get what `up` gives
+    from specdec.cli.processes import CHILD_ENV_DEFAULTS  # the pods' processes get what `up` gives
 
     assert env["MALLOC_ARENA_MAX"] == CHILD_ENV_DEFAULTS["MALLOC_ARENA_MAX"]
 

@@ -241,7 +241,8 @@ def test_errors(verifier):
 
 def test_tokenize_decode_and_info(verifier):
     assert verifier.tokenize("t1 t2 t7") == [1, 2, 7]
-    assert verifier.decode([1, 2, 7]) == "t1 t2 t7"
+    assert verifier.decode([1, 2, 3]) == "t1 t2 t3"
+    assert verifier.decode([1, 2, 7]) == "t1 t2"  # t7 is the end-of-sequence token: no text
     with pytest.raises(InvalidRequest):
         verifier.decode([8])
     info = verifier.info()

@@ -24,7 +24,7 @@ LONG = 1500  # new tokens a stream is asked for and never gets to (the tiny mode
 
 async def direct(orchestrator, **fields):
     """What the orchestrator itself answers (the reference for the HTTP answer)."""
-    return await orchestrator.generate(GenerationRequest(**{"method": "", **fields}))
+    return await orchestrator.generate(GenerationRequest(**fields))
 
 
 async def test_models_lists_the_served_name(client) -> None:

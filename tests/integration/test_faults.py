@@ -2,7 +2,7 @@
 verifier, nothing listening. Real processes on loopback, every wait bounded.
 
 Where `up` would (by design) stop everything when a child dies, the services are started one by
-one with orchestrator.processes — the same commands and helpers `up` uses.
+one with specdec.cli.processes — the same commands and helpers `up` uses.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import grpc
 import pytest
 
-from orchestrator import processes
+from specdec.cli import processes
 from specdec.rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .helpers import (

@@ -12,7 +12,7 @@ import signal
 import grpc
 import pytest
 
-from orchestrator.processes import check_health
+from specdec.cli.processes import check_health
 from specdec.rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .helpers import TINY_CONTEXT, UpProcess, invoke_cli, json_lines, pid_alive, run_cli, wait_gone

@@ -1,4 +1,4 @@
-"""orchestrator.processes with stand-in children (plain Python sleepers): supervision, stopping,
+"""specdec.cli.processes with stand-in children (plain Python sleepers): supervision, stopping,
 no orphans, health waiting. Fast: no model and no torch in the children."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 
-from orchestrator import processes
-from orchestrator.processes import Child, ProcessError, Supervisor
+from specdec.cli import processes
+from specdec.cli.processes import Child, ProcessError, Supervisor
 
 from .helpers import invoke_cli, pid_alive, wait_gone
 
@@ -120,7 +121,7 @@ def test_children_do_not_outlive_a_killed_supervisor(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from orchestrator.processes import Child, Supervisor
+        from specdec.cli.processes import Child, Supervisor
         supervisor = Supervisor({str(tmp_path)!r})
         child = supervisor.start(Child("sleeper", {SLEEPER!r}, Path({str(tmp_path)!r}) / "r.json",
                                        Path({str(tmp_path)!r}) / "sleeper.log"))
@@ -128,7 +129,7 @@ def test_children_do_not_outlive_a_killed_supervisor(tmp_path) -> None:
         time.sleep(120)
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(os.path.dirname(processes.__file__)))
+                              cwd=Path(processes.__file__).resolve().parents[2])  # the repo root
     child_pid = None
     try:
         child_pid = int(parent.stdout.readline())

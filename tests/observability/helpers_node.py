@@ -33,8 +33,8 @@ def main() -> None:
     parser.add_argument("--metrics-port", type=int)
     args = parser.parse_args()
 
-    from orchestrator.processes import write_ready_file
     from specdec.cli.observability import setup_observability
+    from specdec.cli.processes import write_ready_file
     from specdec.rpc.grpc_support import serve_until_signal
 
     obs = setup_observability(args.role, trace_file=args.trace_file, otlp_endpoint=args.otlp_endpoint,

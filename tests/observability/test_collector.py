@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from orchestrator.trace_collector import start_collector
 from orchestrator.tracing import configure_tracing, read_spans
+from specdec.cli.trace_collector import start_collector
 
 from .helpers import ROOT, node_env
 

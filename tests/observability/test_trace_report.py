@@ -12,7 +12,9 @@ from typer.testing import CliRunner
 
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.speculation import Orchestrator
-from orchestrator.trace_report import (
+from orchestrator.tracing import configure_tracing, read_spans
+from specdec.cli.observability import trace_app
+from specdec.cli.trace_report import (
     build_runs,
     chrome_trace,
     dump_dom,
@@ -21,8 +23,6 @@ from orchestrator.trace_report import (
     screenshot,
     summarize,
 )
-from orchestrator.tracing import configure_tracing, read_spans
-from specdec.cli.observability import trace_app
 from specdec.generation import GenerationRequest
 
 

@@ -16,11 +16,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from typer.testing import CliRunner
 
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
-from orchestrator.span_files import SpanFileError, load_spans, otlp_json_spans
 from orchestrator.speculation import Orchestrator
-from orchestrator.trace_report import build_runs, chrome_trace, render_html, summarize
 from orchestrator.tracing import configure_tracing
 from specdec.cli.observability import trace_app
+from specdec.cli.span_files import SpanFileError, load_spans, otlp_json_spans
+from specdec.cli.trace_report import build_runs, chrome_trace, render_html, summarize
 from specdec.generation import GenerationRequest
 
 ID_FIELDS = ("traceId", "spanId", "parentSpanId")

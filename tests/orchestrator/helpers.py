@@ -32,8 +32,33 @@ def make_run(prompt_ids: list[int] | None = None, config: OrchestratorConfig | N
     """The run of GenerationRequest(**request) as the orchestrator would start it (method "token")."""
     config = config or OrchestratorConfig(pipeline=False)
     req = GenerationRequest(prompt_ids=list(prompt_ids or [1, 2, 3]), seed=request.pop("seed", 7), **request)
-    return new_run(req, method=req.method, prompt_ids=list(req.prompt_ids or []),
+    return new_run(req, method=req.method or "token", prompt_ids=list(req.prompt_ids or []),
                    rank_acceptance=list(config.rank_acceptance), config=config, target=TARGET_INFO)
+
+
+class _NoLag:
+    """Sessions whose engines hold everything already (what a plan reads of the run's sessions)."""
+
+    def lag(self, committed, *, drafting: bool) -> int:
+        return 0
+
+
+def plan_of(run: Run, position: int, depth_cap: int, config: OrchestratorConfig | None = None):
+    """The plan the run's drafting strategy makes for an iteration starting at `position` where
+    drafts of at most `depth_cap` tokens fit (no engine involved)."""
+    from orchestrator.adaptation import PairEstimates
+    from orchestrator.drafting import DraftingContext, strategy_for
+    from orchestrator.drafting.base import Step
+    from orchestrator.timeline import Timeline
+    from specdec.generation import IterationRecord
+
+    strategy = strategy_for(run, DraftingContext(config or OrchestratorConfig(), PairEstimates))
+    committed = list(range(position))
+    record = IterationRecord(request_id=run.request_id, index=0, position=position,
+                             method=run.settings.method)
+    step = Step(run, _NoLag(), committed, Timeline(), record, lambda at: depth_cap - (at - position),
+                lambda exc: None)
+    return strategy.plan(step)
 
 
 def slowed_model(path: Path, seconds: float) -> LoadedModel:

@@ -8,8 +8,8 @@ import asyncio
 import grpc
 import pytest
 
+from orchestrator.admission import RequestSlots
 from orchestrator.config import OrchestratorConfig
-from orchestrator.speculation import RequestSlots
 from specdec.engine.api import DraftRequest, Overloaded
 from specdec.engine.sessions import SessionConfig
 from specdec.generation import GenerationRequest

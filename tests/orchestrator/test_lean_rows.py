@@ -7,8 +7,8 @@ import pytest
 
 from orchestrator.clients.inprocess import InProcessVerifierClient
 from orchestrator.config import DRAFT_ROWS_MODES, OrchestratorConfig
-from orchestrator.run import Timeline
 from orchestrator.sessions import RunSessions
+from orchestrator.timeline import Timeline
 from specdec.cli.options import DRAFT_ROWS_CHOICES
 from specdec.engine.api import DraftRequest, VerifyOutcome, VerifyRequest
 from specdec.generation import GenerationRequest

@@ -1,45 +1,105 @@
-"""Stop conditions and streamed text (orchestrator.output), with a stand-in tokenizer."""
+"""Stop conditions and the output's text (orchestrator.output), with stand-in tokenizers: the text
+comes in pieces with each verify (specdec.runtime.detokenize, as the verifier computes it)."""
 
 from __future__ import annotations
 
 from orchestrator.output import absorb, find_stop, text_delta
+from specdec.engine.api import VerifyOutcome
+from specdec.runtime.detokenize import detokenize
 from tests.orchestrator.helpers import make_run
 
-WORDS = {0: "a", 1: "b", 2: "c", 3: "d", 4: "e", 5: "<eos>"}
+WORDS = {0: "a", 1: "b", 2: "c", 3: "d", 4: "e", 5: ""}  # 5: EOS, a special token: no text
+# A byte-level stand-in: 6 and 7 are the two halves of "é" (UTF-8 c3 a9).
+BYTES = {0: b"a", 1: b"b", 2: b"c", 3: b"d", 4: b"e", 5: b"", 6: b"\xc3", 7: b"\xa9"}
 
 
-async def decode(ids: list[int]) -> str:
+def decode_words(ids) -> str:
     return "".join(WORDS[t] for t in ids)
+
+
+def decode_bytes(ids) -> str:
+    return b"".join(BYTES[t] for t in ids).decode("utf-8", errors="replace")
+
+
+def outcome(run, tokens: list[int], decode=decode_bytes) -> VerifyOutcome:
+    """What the verifier answers: the tokens and their text from the run's cursor."""
+    ids = run.committed + tokens
+    step = detokenize(decode, ids, run.state.text_cursor, len(tokens))
+    return VerifyOutcome(tokens=tokens, accepted_nodes=[], accept_flags=[], num_drafted=0,
+                         committed_len=len(ids), text_pieces=step.pieces, text_tails=step.tails,
+                         text_cursor=step.cursor)
+
+
+async def no_decode(ids):
+    raise AssertionError("the verifier sent the text: no Decode call")
 
 
 async def test_eos_and_max_new_tokens_cut_the_tokens():
     run = make_run(max_new_tokens=10)  # EOS = 5
-    assert await absorb(run, [1, 5, 2], decode=decode, max_context=0) == [1, 5]
-    assert run.finish_reason == "eos" and run.text == "b<eos>"
+    assert await absorb(run, outcome(run, [1, 5, 2]), decode=no_decode, max_context=0) == [1, 5]
+    assert run.state.finish_reason == "eos" and run.state.text == "b"  # the EOS token is no text
     run = make_run(max_new_tokens=3)
-    assert await absorb(run, [1, 2], decode=decode, max_context=0) == [1, 2] and run.finish_reason is None
-    assert await absorb(run, [3, 4], decode=decode, max_context=0) == [3] and run.finish_reason == "length"
+    assert await absorb(run, outcome(run, [1, 2]), decode=no_decode, max_context=0) == [1, 2]
+    assert run.state.finish_reason is None
+    assert await absorb(run, outcome(run, [3, 4]), decode=no_decode, max_context=0) == [3]
+    assert run.state.finish_reason == "length" and run.state.text == "bcd"
     run = make_run(max_new_tokens=10)  # the prompt has 3 tokens: the window is full after 2 more
-    assert await absorb(run, [1, 2], decode=decode, max_context=5) == [1, 2] and run.finish_reason == "length"
+    assert await absorb(run, outcome(run, [1, 2]), decode=no_decode, max_context=5) == [1, 2]
+    assert run.state.finish_reason == "length"
 
 
 async def test_a_stop_string_keeps_the_fewest_tokens_and_ends_the_text_before_it():
     run = make_run(max_new_tokens=10, stop=["zz", "cd"])
-    assert await absorb(run, [0, 1, 2, 3, 4], decode=decode, max_context=0) == [0, 1, 2, 3]
-    assert run.finish_reason == "stop" and run.text == "ab"
+    assert await absorb(run, outcome(run, [0, 1, 2, 3, 4]), decode=no_decode, max_context=0) == [0, 1, 2, 3]
+    assert run.state.finish_reason == "stop" and run.state.text == "ab"
+
+
+async def test_a_stop_string_across_iterations_is_found():
+    run = make_run(max_new_tokens=10, stop=["bc"])
+    await absorb(run, outcome(run, [0, 1]), decode=no_decode, max_context=0)
+    assert await absorb(run, outcome(run, [2, 3]), decode=no_decode, max_context=0) == [2]
+    assert run.state.text == "a" and run.state.finish_reason == "stop"
+
+
+async def test_a_character_split_over_tokens_and_iterations_is_held_back_then_whole():
+    run = make_run(max_new_tokens=10)
+    await absorb(run, outcome(run, [0, 6]), decode=no_decode, max_context=0)
+    assert (run.state.text, run.state.text_tail) == ("a", "\ufffd")
+    assert text_delta(run, False) == "a"
+    await absorb(run, outcome(run, [7, 1]), decode=no_decode, max_context=0)
+    assert (run.state.text, run.state.text_tail) == ("aéb", "")
+    assert text_delta(run, False) == "éb"
+    assert run.state.text == decode_bytes(run.state.generated)
+
+
+async def test_without_text_from_the_verifier_it_decodes_and_the_next_verify_rebuilds_it():
+    run = make_run(max_new_tokens=10)
+    calls = []
+
+    async def decode(ids):
+        calls.append(list(ids))
+        return decode_bytes(ids)
+
+    # No text_cursor: an engine that failed to decode.
+    plain = VerifyOutcome(tokens=[0, 6], accepted_nodes=[], accept_flags=[], num_drafted=0, committed_len=5)
+    await absorb(run, plain, decode=decode, max_context=0)
+    assert (run.state.text, run.state.text_tail) == ("a", "\ufffd") and calls == [[0], [0, 6]]
+    assert run.state.text_cursor.read == run.state.text_cursor.start  # rebuild from the output's start
+    await absorb(run, outcome(run, [7]), decode=no_decode, max_context=0)
+    assert run.state.text == "aé" == decode_bytes(run.state.generated)
 
 
 def test_find_stop():
     assert find_stop("abcd", ["cd", "b"]) == 1
     assert find_stop("abcd", ["x"]) is None
+    assert find_stop("abcdab", ["ab"], 1) == 4
 
 
 def test_streamed_text_holds_back_what_may_still_change():
     run = make_run(stop=["cde"])
-    run.text = "abc"
+    run.state.text = "abc"
     assert text_delta(run, False) == "ab"  # "c" may start the stop string
-    run.text = "abcx\ufffd"
+    run.state.text, run.state.text_tail = "abcx", "\ufffd"
     assert text_delta(run, False) == "cx"  # an incomplete character is held back
-    run.text = "abcx\ufffdy"
-    assert text_delta(run, True) == "\ufffdy"
+    assert text_delta(run, True) == "\ufffd"  # at the end it is shown as the one-shot decode shows it
     assert text_delta(run, True) == ""

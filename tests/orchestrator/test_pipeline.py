@@ -1,4 +1,4 @@
-"""Pipelined speculation (orchestrator.pipeline, "Pipelining") through the real code path.
+"""Pipelined speculation (orchestrator.drafting.lookahead) through the real code path.
 
 The drafter pre-drafts block n+1 from the speculative context committed + x_1..x_k + b while
 the verifier checks block n; the block is used only when that context came true. Checked here:
@@ -18,9 +18,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from orchestrator import pipeline
+from orchestrator.adaptation import PairEstimates
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
+from orchestrator.drafting import DraftingContext, strategy_for
+from orchestrator.drafting.lookahead import LookAhead, PreDraft, chain
 from orchestrator.speculation import Orchestrator
 from specdec.engine.api import DraftResult, InvalidRequest
 from specdec.engine.drafter import DrafterEngine
@@ -284,8 +286,9 @@ async def test_predrafted_only_output_is_distributed_as_the_target(
 ):
     """Requests whose draft length is picked online (no k, no seed) verify a block only when a
     look-ahead pre-drafted it, and take target-only steps while the drafter looks ahead otherwise
-    (pipeline.py, "Pre-drafted only"); both kinds must be in the sample. An unseeded request draws
-    its seed from `secrets`: a counter here, so every request's streams are distinct and known.
+    (orchestrator.drafting.lookahead, pre-drafted only); both kinds must be in the sample. An
+    unseeded request draws its seed from `secrets`: a counter here, so every request's streams are
+    distinct and known.
 
     Negative case (`broken`): the same loop, but a pre-draft is verified only when its first token is
     not 0 — the choice to draft now reads the draft's value, which biases token verification (the
@@ -296,9 +299,9 @@ async def test_predrafted_only_output_is_distributed_as_the_target(
     seeds = iter(range(13_000_000 + 1_000_000 * ["token", "ersd"].index(method), 14_000_000 + 10**6))
     monkeypatch.setattr(run_module, "secrets", SimpleNamespace(randbits=lambda bits: next(seeds)))
     if broken:
-        honest = pipeline.has_predraft
-        monkeypatch.setattr(pipeline, "has_predraft", lambda run, committed, k: honest(run, committed, k)
-                            and run.predraft.draft.tokens[0] != 0)
+        honest = LookAhead.has_predraft
+        monkeypatch.setattr(LookAhead, "has_predraft", lambda self, committed, k: honest(self, committed, k)
+                            and self.predraft.draft.tokens[0] != 0)
     target, verifier, drafter = fidelity_pair
     if broken:
         drafter = DrafterEngine(load_model(target.directory, threads=1))
@@ -388,7 +391,7 @@ class _LateVerifier:
 @pytest.mark.parametrize("method", ["token", "block", "ersd", "rd"])
 async def test_adaptive_length_only_where_it_is_exact(make_orchestrator, engines, loaded, method):
     """Block and rd ignore pipeline_max_k: every verified block has length k (a grown pre-draft is
-    not exact for block verification, orchestrator.pipeline); token and ersd blocks grow."""
+    not exact for block verification, orchestrator.drafting.lookahead); token and ersd blocks grow."""
     seen: list[int] = []
 
     class Recording(InProcessDrafterClient):
@@ -410,30 +413,38 @@ async def test_adaptive_length_only_where_it_is_exact(make_orchestrator, engines
     _check_records(result)
 
 
+def _look_ahead(method: str, config: OrchestratorConfig) -> tuple:
+    run = make_run(method=method, config=config)
+    strategy = strategy_for(run, DraftingContext(config, PairEstimates))
+    assert isinstance(strategy, LookAhead)
+    return run, strategy
+
+
 def test_growth_follows_the_registry():
     for method in ("token", "block", "ersd", "rd"):
-        run = make_run(method=method, config=OrchestratorConfig(pipeline=True, pipeline_max_k=4))
-        assert pipeline.adaptive(run) == (method in ("token", "ersd"))
-        assert not pipeline.adaptive(make_run(method=method, config=OrchestratorConfig(pipeline=True)))
+        _, strategy = _look_ahead(method, OrchestratorConfig(pipeline=True, pipeline_max_k=4))
+        assert strategy.growing == (method in ("token", "ersd"))
+        assert not _look_ahead(method, OrchestratorConfig(pipeline=True))[1].growing
 
 
 def test_a_grown_pre_draft_is_not_taken_for_a_fixed_length_method():
     rows = torch.rand(4, 6)
     for method, taken in (("token", True), ("block", False)):
-        run = make_run(method=method, config=OrchestratorConfig(pipeline=True, pipeline_max_k=4))
+        run, strategy = _look_ahead(method, OrchestratorConfig(pipeline=True, pipeline_max_k=4))
         grown = DraftResult([1, 2, 3], [-1, 0, 1], rows)
-        run.predraft = pipeline.PreDraft(run.committed, grown)
-        assert (pipeline.take_predraft(run, run.committed, 2) is grown) == taken
-        assert (run.stats.pre_drafts_used, run.stats.pre_drafts_dropped) == (int(taken), int(not taken))
-        assert run.predraft is None
+        strategy.predraft = PreDraft(run.committed, grown)
+        assert (strategy.take(run.committed, 2) is grown) == taken
+        stats = run.state.stats
+        assert (stats.pre_drafts_used, stats.pre_drafts_dropped) == (int(taken), int(not taken))
+        assert strategy.predraft is None
 
 
 def test_chained_one_token_drafts_keep_the_row_layout():
     steps = [DraftResult([t], [-1], torch.full((2, 6), float(t))) for t in (3, 1, 4)]
-    chained = pipeline.chain(steps, want_rows=True)
+    chained = chain(steps, want_rows=True)
     assert (chained.tokens, chained.parents) == ([3, 1, 4], [-1, 0, 1])
     assert chained.draft_probs[:, 0].tolist() == [3.0, 1.0, 4.0, 0.0]  # each step's first row; leaf row zero
-    assert pipeline.chain(steps, want_rows=False).draft_probs is None
+    assert chain(steps, want_rows=False).draft_probs is None
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 from orchestrator import scheduling
 from orchestrator.config import OrchestratorConfig
 from specdec.trees import DraftTree, max_depth, optimal_tree_shape, sequence_parents
-from tests.orchestrator.helpers import make_run
+from tests.orchestrator.helpers import make_run, plan_of
 
 
 def test_cap_depth_drops_deep_nodes_and_renumbers():
@@ -82,16 +82,16 @@ def test_depth_cap():
 
 def test_plan_of_a_sequence_method():
     pipelined = OrchestratorConfig(pipeline=True)
-    plan = scheduling.plan_iteration(make_run(method="block", k=4, config=pipelined), 9, depth_cap=3)
-    assert (plan.shape, plan.k, plan.heads, plan.pipelined) == ([-1, 0, 1], 4, None, True)
+    plan = plan_of(make_run(method="block", k=4, config=pipelined), 9, depth_cap=3)
+    assert (plan.shape, plan.k, plan.pipelined) == ([-1, 0, 1], 4, True)
     assert (plan.params.seed, plan.params.position) == (7, 9)
-    assert not scheduling.plan_iteration(make_run(method="token", k=2), 9, depth_cap=8).pipelined
+    assert not plan_of(make_run(method="token", k=2), 9, depth_cap=8).pipelined
 
 
 def test_plan_of_a_tree():
     run = make_run(method="ersd", tree_budget=6, config=OrchestratorConfig(pipeline=True))
-    plan = scheduling.plan_iteration(run, 3, depth_cap=2)
-    assert plan.shape == scheduling.cap_depth(optimal_tree_shape(run.rank_acceptance, 6), 2)
+    plan = plan_of(run, 3, depth_cap=2)
+    assert plan.shape == scheduling.cap_depth(optimal_tree_shape(list(run.settings.rank_acceptance), 6), 2)
     assert (plan.k, plan.pipelined) == (6, False)  # trees are never pipelined
 
 
@@ -99,13 +99,13 @@ def test_plan_of_rd_follows_its_coins():
     config = OrchestratorConfig(pipeline=True)
     for seed in range(12):
         run = make_run(method="rd", k=3, a=0.5, seed=seed, config=config)
-        plan = scheduling.plan_iteration(run, 5, depth_cap=2)
+        plan = plan_of(run, 5, depth_cap=2)
         heads = scheduling.rd_leading_heads(0.5, 2, seed, 5)  # k_max = min(k, depth cap)
-        assert (plan.heads, plan.shape, plan.k) == (heads, sequence_parents(heads), 3)
+        assert (plan.shape, plan.k) == (sequence_parents(heads), 3)
         assert (plan.params.a, plan.params.k_max) == (0.5, 2)
         assert plan.pipelined == (heads == 2)
 
 
 def test_no_plan_without_a_draft():
-    assert scheduling.plan_iteration(make_run(method="autoregressive"), 3, depth_cap=8) is None
-    assert scheduling.plan_iteration(make_run(method="token"), 3, depth_cap=0) is None
+    assert plan_of(make_run(method="autoregressive"), 3, depth_cap=8) is None
+    assert plan_of(make_run(method="token"), 3, depth_cap=0) is None

@@ -409,7 +409,8 @@ generation_requests = st.builds(
     stop=st.lists(st.text(max_size=4), max_size=3),
     stop_token_ids=optional_ids,
     seed=st.one_of(st.none(), seeds),
-    method=st.sampled_from(["token", "block", "ersd", "gsd-tree", "rd", "autoregressive"]),
+    method=st.one_of(st.none(), st.sampled_from(["token", "block", "ersd", "gsd-tree", "rd",
+                                                 "autoregressive"])),
     k=st.one_of(st.none(), st.integers(0, 64)),
     a=st.one_of(st.none(), st.floats(0, 1)),
     request_id=st.one_of(st.none(), st.text(max_size=8)),
@@ -438,6 +439,17 @@ def test_generation_request_none_differs_from_empty() -> None:
 
 def test_generation_request_defaults_when_unset() -> None:
     assert convert.generation_request_from_proto(generation_pb2.GenerationRequest()) == GenerationRequest()
+
+
+def test_unset_knobs_stay_unset_on_the_wire() -> None:
+    """A request naming no method, k, a or pipeline sends none of them (the orchestrator's defaults
+    apply), and the server reads None for each, not a default of its own."""
+    msg = convert.generation_request_to_proto(GenerationRequest(prompt="p"))
+    assert not any(msg.HasField(name) for name in ("method", "k", "a", "pipeline"))
+    back = convert.generation_request_from_proto(via_bytes(msg))
+    assert (back.method, back.k, back.a, back.pipeline) == (None, None, None, None)
+    named = convert.generation_request_to_proto(GenerationRequest(prompt="p", method="ersd"))
+    assert named.HasField("method") and named.method == "ersd"
 
 
 intervals = st.lists(st.tuples(non_negative, non_negative), max_size=3)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from orchestrator.clients.grpc_client import GrpcDrafterClient
-from orchestrator.processes import check_health
+from specdec.cli.processes import check_health
 from specdec.engine.api import DraftRequest, Unauthenticated
 from specdec.rpc.security import ClientSecurity
 from specdec.sampling import SamplingParams

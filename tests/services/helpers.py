@@ -153,7 +153,7 @@ class FakeOrchestrator:
             " ".join(f"t{i}" for i in ids),
             "length",
             request.seed if request.seed is not None else 7,
-            request.method,
+            request.method or "token",  # what the real one runs by default
             stats,
         )
 

@@ -30,7 +30,7 @@ class ScoreResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values")
+    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values", "text")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class VerifyRequest(_message.Message):
     DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROW_INDICES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROW_VALUES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -55,10 +56,21 @@ class VerifyRequest(_message.Message):
     draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
     draft_row_indices: _containers.RepeatedScalarFieldContainer[int]
     draft_row_values: _common_pb2.Tensor
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    text: TextCursor
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[_Union[TextCursor, _Mapping]] = ...) -> None: ...
+
+class TextCursor(_message.Message):
+    __slots__ = ("start", "prefix", "read")
+    START_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    READ_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    prefix: int
+    read: int
+    def __init__(self, start: _Optional[int] = ..., prefix: _Optional[int] = ..., read: _Optional[int] = ...) -> None: ...
 
 class VerifyOutcome(_message.Message):
-    __slots__ = ("tokens", "accepted_nodes", "accept_flags", "num_drafted", "committed_len", "forward_seconds", "verify_seconds", "reused_tokens", "extra", "draft_rows_needed")
+    __slots__ = ("tokens", "accepted_nodes", "accept_flags", "num_drafted", "committed_len", "forward_seconds", "verify_seconds", "reused_tokens", "extra", "draft_rows_needed", "text_pieces", "text_tails", "text_cursor")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +88,9 @@ class VerifyOutcome(_message.Message):
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROWS_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    TEXT_PIECES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_TAILS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     accept_flags: _containers.RepeatedScalarFieldContainer[bool]
@@ -86,7 +101,10 @@ class VerifyOutcome(_message.Message):
     reused_tokens: int
     extra: _containers.ScalarMap[str, float]
     draft_rows_needed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accept_flags: _Optional[_Iterable[bool]] = ..., num_drafted: _Optional[int] = ..., committed_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., draft_rows_needed: _Optional[_Iterable[int]] = ...) -> None: ...
+    text_pieces: _containers.RepeatedScalarFieldContainer[str]
+    text_tails: _containers.RepeatedScalarFieldContainer[str]
+    text_cursor: TextCursor
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accept_flags: _Optional[_Iterable[bool]] = ..., num_drafted: _Optional[int] = ..., committed_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., draft_rows_needed: _Optional[_Iterable[int]] = ..., text_pieces: _Optional[_Iterable[str]] = ..., text_tails: _Optional[_Iterable[str]] = ..., text_cursor: _Optional[_Union[TextCursor, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)

@@ -2,7 +2,7 @@
 
 Input: spans in the JSON-lines schema of orchestrator.tracing (a `--trace-file`, or what
 `specdec trace-collect` received), or an OpenTelemetry Collector file-exporter file (OTLP/JSON);
-load_spans (orchestrator.span_files) reads either. Output:
+load_spans (specdec.cli.span_files) reads either. Output:
 - a self-contained HTML page (inline CSS and SVG, no script, no network): summary figures,
   per request a Gantt-style timeline of drafter vs verifier calls per iteration (engine
   forward passes inside them when the services' spans are there, overlap marked), accepted

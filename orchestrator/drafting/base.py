@@ -1,0 +1,134 @@
+"""What every drafting strategy shares: the iteration it works in (Step), what it plans and
+drafts (Plan, Draft), the Protocol the loop calls, and the target-only step.
+
+A strategy decides what an iteration drafts and how; it never decides what is accepted. Every
+choice it makes is fixed from the committed prefix and the drafter's own streams before the
+target's pass reads the draft, which is why any strategy keeps the output's law
+(docs/algorithms.md §8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from orchestrator.run import Run, RunSettings
+from orchestrator.sessions import RunSessions
+from orchestrator.timeline import Timeline
+from specdec.engine.api import VerifyOutcome
+from specdec.generation import IterationRecord
+from specdec.methods import TARGET_ONLY_VERIFICATION
+from specdec.trees import DraftTree
+from specdec.verification.base import MethodParams
+
+
+@dataclass
+class Step:
+    """One iteration: what a strategy reads (the run, its sessions, the committed prefix) and the
+    record it fills."""
+
+    run: Run
+    sessions: RunSessions
+    committed: list[int]
+    timeline: Timeline
+    record: IterationRecord
+    depth_cap: Callable[[int], int]  # the deepest draft that fits every context window at a position
+    drafter_lost: Callable[[Exception], None]  # a lost drafter, reported to the engine link
+
+    @property
+    def position(self) -> int:
+        return len(self.committed)
+
+    @property
+    def settings(self) -> RunSettings:
+        return self.run.settings
+
+    def params(self) -> MethodParams:
+        """The verification parameters every rule gets: the run's seed and the iteration's position."""
+        return MethodParams(seed=self.settings.seed, position=self.position)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one iteration drafts, decided before any drafting."""
+
+    shape: list[int]  # parent indices of the draft tree ([]: nothing drafted yet, e.g. RD with K = 0)
+    k: int  # the size asked for (IterationRecord.k): draft length, RD k_max or tree budget
+    params: MethodParams
+    needs_drafter: bool = True  # False: drafted without the draft model (no drafter call)
+    pipelined: bool = False  # the next block is pre-drafted while this one is verified (lookahead)
+    step_ahead: bool = False  # a target-only step while the drafter looks ahead (lookahead)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What the target's pass verifies: a tree, its draft rows, and the rule that decides it."""
+
+    tree: DraftTree
+    rows: torch.Tensor | None
+    method: str  # the verification rule (the run's method, or the target-only one)
+    params: MethodParams
+    plan: Plan | None = None  # None: a target-only step by plan, or one that replaced a lost draft
+    target_only: bool = False
+    fallback: bool = False  # target-only because the drafter was away or lost (IterationRecord.fallback)
+
+
+class DraftingStrategy(Protocol):
+    """How a run drafts: one object per way of drafting (orchestrator.drafting.STRATEGIES)."""
+
+    def plan(self, step: Step) -> Plan | None:
+        """What to draft at this prefix; None for a target-only step."""
+        ...
+
+    async def draft(self, step: Step, plan: Plan) -> Draft:
+        """The plan's draft tree and rows (raises failover.DrafterDown when the drafter is lost)."""
+        ...
+
+    async def verify(self, step: Step, draft: Draft) -> VerifyOutcome:
+        """One target pass over the draft (a strategy may work beside it: the look-ahead)."""
+        ...
+
+    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None:
+        """React to the verifier's outcome, once the loop has absorbed and accounted it."""
+        ...
+
+
+class Drafting:
+    """The defaults: verify the draft in one target pass, learn nothing from it."""
+
+    async def verify(self, step: Step, draft: Draft) -> VerifyOutcome:
+        return await verify_draft(step, draft)
+
+    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None:
+        return None
+
+
+async def verify_draft(step: Step, draft: Draft) -> VerifyOutcome:
+    """One target pass over committed + the draft tree with the draft's rule."""
+    return await step.sessions.verify(step.committed, draft.tree, method=draft.method, params=draft.params,
+                                      draft_probs=draft.rows, timeline=step.timeline,
+                                      text=step.run.state.text_cursor)
+
+
+def target_only_draft(step: Step, *, plan: Plan | None = None, fallback: bool = False) -> Draft:
+    """A target-only step: one token from the target alone, by race sampling keyed on (seed,
+    position), so a seeded ERSD run and a seeded target-only run emit the same token
+    (docs/algorithms.md §4). A step beside a look-ahead keeps the k its plan asked for."""
+    record = step.record
+    record.method, record.heads, record.fallback = "autoregressive", None, fallback
+    record.k = plan.k if plan is not None else 0
+    return Draft(DraftTree.empty(), None, TARGET_ONLY_VERIFICATION, step.params(), plan=plan,
+                 target_only=True, fallback=fallback)
+
+
+class TargetOnly(Drafting):
+    """Target-only decoding (method "autoregressive"): never drafts."""
+
+    def plan(self, step: Step) -> Plan | None:
+        return None
+
+    async def draft(self, step: Step, plan: Plan) -> Draft:
+        raise AssertionError("a target-only run plans no draft")
