@@ -16,14 +16,13 @@ import grpc
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.engine.api import (
     MAX_TREE_NODES,
-    ContextTooLong,
     DraftRequest,
     DraftResult,
-    InvalidRequest,
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
 )
+from specdec.errors import ContextTooLong, InvalidRequest
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import (
     EngineServicer,

@@ -17,7 +17,8 @@ from collections import Counter
 from orchestrator.run import Run
 from orchestrator.store import Store
 from orchestrator.timeline import Timeline
-from specdec.engine.api import StoreUnavailable, VerifyOutcome
+from specdec.engine.api import VerifyOutcome
+from specdec.errors import StoreUnavailable
 from specdec.generation import IterationRecord
 from specdec.trees import DraftTree
 

@@ -31,7 +31,8 @@ from orchestrator.failover import (
 )
 from orchestrator.health import Dependencies, VerifierIncompatible, VerifierNotReady, verifier_change
 from orchestrator.store import Store
-from specdec.engine.api import EngineError, InvalidRequest, ModelInfo, PeerUnavailable
+from specdec.engine.api import ModelInfo
+from specdec.errors import EngineError, InvalidRequest, PeerUnavailable
 
 log = logging.getLogger(__name__)
 

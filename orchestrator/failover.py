@@ -28,7 +28,8 @@ from typing import TypeVar
 
 from orchestrator.config import OrchestratorConfig
 from specdec.calibration import calibration_path, load_calibration
-from specdec.engine.api import EngineError, InvalidRequest, ModelInfo, Overloaded, PeerUnavailable
+from specdec.engine.api import ModelInfo
+from specdec.errors import EngineError, InvalidRequest, Overloaded, PeerUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,11 @@ from typing import Any, Protocol
 
 import grpc
 
-from specdec.engine.api import ModelInfo, PeerUnavailable, StoreUnavailable
-from specdec.rpc.grpc_support import set_health, status_for
+from specdec.engine.api import ModelInfo
+from specdec.errors import PeerUnavailable, StoreUnavailable
+from specdec.rpc.grpc_support import set_health
 from specdec.rpc.refusal import refusing
+from specdec.rpc.status import status_for
 
 log = logging.getLogger(__name__)
 

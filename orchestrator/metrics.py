@@ -87,7 +87,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -134,6 +134,18 @@ def _makers(registry: CollectorRegistry) -> tuple[Any, Any, Any]:
 
 
 # ============================================================================ orchestrator
+
+
+class Admitting(Protocol):
+    """What /metrics reads of the orchestrator (also `dependency_status()` when it has one)."""
+
+    def admission_stats(self) -> dict[str, int]: ...
+
+
+class Counting(Protocol):
+    """What /metrics reads of an engine."""
+
+    def stats(self) -> Mapping[str, float]: ...
 
 
 class OrchestratorMetrics:
@@ -211,7 +223,7 @@ class OrchestratorMetrics:
         self.health = _StatsCollector(_HEALTH_STATS)
         registry.register(self.health)
 
-    def watch_orchestrator(self, orchestrator: Any) -> None:
+    def watch_orchestrator(self, orchestrator: Admitting) -> None:
         """Report orchestrator.admission_stats() (request slots: running, queued, refused) and, when it has
         them, its dependencies' states (orchestrator.health) at every scrape."""
         self.admission.add((), orchestrator.admission_stats)
@@ -407,7 +419,7 @@ class EngineMetrics:
     def observer(self, role: str) -> _EngineObserver:
         return _EngineObserver(self, role)
 
-    def watch_engine(self, role: str, engine: Any) -> None:
+    def watch_engine(self, role: str, engine: Counting) -> None:
         """Report engine.stats() (sessions, evictions, KV tokens, batches, …) under role at every scrape."""
         self.sessions.add((role,), engine.stats)
 

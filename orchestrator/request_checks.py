@@ -8,7 +8,8 @@ from typing import Any
 
 from orchestrator.config import OrchestratorConfig
 from orchestrator.run import stop_ids
-from specdec.engine.api import MAX_LOOKAHEAD_GUESSES, InvalidRequest, ModelInfo
+from specdec.engine.api import MAX_LOOKAHEAD_GUESSES, ModelInfo
+from specdec.errors import InvalidRequest
 from specdec.generation import GenerationRequest
 from specdec.methods import METHOD_NAMES, METHODS, check_drafting_probability, get_method
 from specdec.sampling import SamplingParams

@@ -22,7 +22,7 @@ import grpc
 from orchestrator.health import HealthMonitor, Monitored, ServingGate
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult
-from specdec.rpc import convert
+from specdec.rpc import generation_convert
 from specdec.rpc.grpc_support import (
     guarded,
     guarded_stream,
@@ -80,16 +80,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerationRequest, context
     ) -> generation_pb2.GenerationResult:
         result = await self.orchestrator.generate(
-            convert.generation_request_from_proto(request), owner=caller_identity(context)
+            generation_convert.generation_request_from_proto(request), owner=caller_identity(context)
         )
-        return convert.generation_result_to_proto(result)
+        return generation_convert.generation_result_to_proto(result)
 
     @guarded_stream
     async def GenerateStream(
         self, request: generation_pb2.GenerationRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
         stream = self.orchestrator.generate_stream(
-            convert.generation_request_from_proto(request), owner=caller_identity(context)
+            generation_convert.generation_request_from_proto(request), owner=caller_identity(context)
         )
         async with contextlib.aclosing(_chunks(stream)) as chunks:
             async for chunk in chunks:
@@ -100,16 +100,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.ResumeRequest, context
     ) -> generation_pb2.GenerationResult:
         result = await self.orchestrator.resume(
-            convert.resume_request_from_proto(request), owner=caller_identity(context)
+            generation_convert.resume_request_from_proto(request), owner=caller_identity(context)
         )
-        return convert.generation_result_to_proto(result)
+        return generation_convert.generation_result_to_proto(result)
 
     @guarded_stream
     async def ResumeStream(
         self, request: generation_pb2.ResumeRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
         stream = self.orchestrator.resume_stream(
-            convert.resume_request_from_proto(request), owner=caller_identity(context)
+            generation_convert.resume_request_from_proto(request), owner=caller_identity(context)
         )
         async with contextlib.aclosing(_chunks(stream)) as chunks:
             async for chunk in chunks:
@@ -124,7 +124,7 @@ async def _chunks(
         stream = await stream
     try:
         async for chunk in stream:
-            yield convert.generation_chunk_to_proto(chunk)
+            yield generation_convert.generation_chunk_to_proto(chunk)
     finally:
         # The client may cancel mid-stream: close the generator so the orchestrator releases
         # its sessions (and the request's lease) now rather than at garbage collection.

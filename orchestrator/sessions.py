@@ -43,18 +43,14 @@ from orchestrator.timeline import Timeline
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
-    EngineError,
-    InvalidRequest,
     LookaheadRequest,
     LookaheadResult,
-    Overloaded,
-    PeerUnavailable,
     ScoreRequest,
-    SessionGone,
     TextCursor,
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.errors import EngineError, InvalidRequest, Overloaded, PeerUnavailable, SessionGone
 from specdec.methods import get_method
 from specdec.trees import max_depth
 from specdec.verification.lean import token_probs

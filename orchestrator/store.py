@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from specdec.engine.api import StoreUnavailable
+from specdec.errors import StoreUnavailable
 from specdec.rpc.security import ANONYMOUS
 
 log = logging.getLogger(__name__)

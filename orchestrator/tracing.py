@@ -54,8 +54,8 @@ DRAFT_SPAN = "specdec.draft"
 VERIFY_SPAN = "specdec.verify"
 CALL_SPANS = {"draft": DRAFT_SPAN, "verify": VERIFY_SPAN}
 # gRPC calls that get no client/server spans: polling noise, and the verifier's Decode / Tokenize
-# (one Decode per iteration for stop strings and streamed text: tracing it would add two spans
-# and an interceptor pass to every iteration for a call the timeline does not need).
+# (a request's prompt and a resume's stored text: the timeline does not need them; the output's
+# text comes with each Verify).
 UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                "grpc.reflection.v1.ServerReflection"})
 UNTRACED_METHODS = frozenset({"Decode", "Tokenize"})

@@ -18,17 +18,10 @@ from typing import Any, Protocol
 import grpc
 
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
-from specdec.engine.api import (
-    MAX_TREE_NODES,
-    ContextTooLong,
-    InvalidRequest,
-    ModelInfo,
-    ScoreRequest,
-    VerifyOutcome,
-    VerifyRequest,
-)
+from specdec.engine.api import MAX_TREE_NODES, ModelInfo, ScoreRequest, VerifyOutcome, VerifyRequest
+from specdec.errors import ContextTooLong, InvalidRequest
 from specdec.generation import ChatMessage
-from specdec.rpc import convert
+from specdec.rpc import convert, generation_convert
 from specdec.rpc.grpc_support import (
     EngineServicer,
     add_on_stop,
@@ -110,7 +103,7 @@ class VerifierServicer(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer
     async def ApplyChatTemplate(self, request: verifier_pb2.ChatTemplateRequest,
                                 context) -> verifier_pb2.TokenizeResponse:
         check_counts(self.engine, "messages", len(request.messages))
-        messages = convert.chat_messages_from_proto(request.messages)
+        messages = generation_convert.chat_messages_from_proto(request.messages)
         template = request.chat_template if request.HasField("chat_template") else None
         ids = await run_blocking(self.text_executor, self.engine.apply_chat_template, messages, template)
         return verifier_pb2.TokenizeResponse(token_ids=[int(i) for i in ids])

@@ -18,7 +18,7 @@ from specdec.engine.api import (
     VerifyRequest,
 )
 from specdec.generation import ChatMessage
-from specdec.rpc import convert
+from specdec.rpc import convert, generation_convert
 from specdec.rpc.channel import GrpcClient
 from specdec.rpc.channel import encode_request as _encode
 from specdec.rpc.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -70,7 +70,7 @@ class GrpcVerifierClient(GrpcClient):
     async def apply_chat_template(self, messages: list[ChatMessage], chat_template: str | None = None,
                                   ) -> list[int]:
         msg = _encode(lambda chat: verifier_pb2.ChatTemplateRequest(
-            messages=convert.chat_messages_to_proto(chat), chat_template=chat_template), messages)
+            messages=generation_convert.chat_messages_to_proto(chat), chat_template=chat_template), messages)
         return list((await self._unary("ApplyChatTemplate", msg)).token_ids)
 
     async def decode(self, token_ids: list[int]) -> str:

@@ -36,11 +36,11 @@ from specdec.engine.api import (
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
-    PeerUnavailable,
     ScoreRequest,
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.errors import PeerUnavailable
 from specdec.generation import ChatMessage
 from specdec.rpc.grpc_support import format_address
 from specdec.rpc.security import ClientSecurity

@@ -29,10 +29,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from orchestrator.openai_http import responses
 from orchestrator.openai_http.schemas import ChatCompletionRequest, CompletionRequest
-from specdec.engine.api import NotFound, Unauthenticated
+from specdec.errors import NotFound, Unauthenticated
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult
-from specdec.rpc.grpc_support import status_for
 from specdec.rpc.security import ANONYMOUS, UNAUTHENTICATED_MESSAGE, TokenAuthInterceptor, digest
+from specdec.rpc.status import status_for
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from orchestrator.openai_http.schemas import finish_reason
 from specdec.generation import GenerationResult
 
 # gRPC status name → (HTTP status, OpenAI error type). The status comes from
-# specdec.rpc.grpc_support.status_for, so HTTP and gRPC clients see the same refusal.
+# specdec.rpc.status.status_for, so HTTP and gRPC clients see the same refusal.
 HTTP_STATUS: dict[str, tuple[int, str]] = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "UNAUTHENTICATED": (401, "authentication_error"),

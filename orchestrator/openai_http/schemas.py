@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.engine.api import InvalidRequest
+from specdec.errors import InvalidRequest
 from specdec.generation import CHAT_ROLES, ChatMessage, GenerationRequest
 from specdec.sampling import SamplingParams
 

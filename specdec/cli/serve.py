@@ -385,7 +385,7 @@ def serve_orchestrator(
         from orchestrator.failover import describe_defaults
         from orchestrator.server import start_orchestrator_server
         from orchestrator.speculation import Orchestrator
-        from specdec.engine.api import PeerUnavailable
+        from specdec.errors import PeerUnavailable
         from specdec.rpc.security import warn_if_exposed
 
         warn_if_exposed(host, tls=front.tls, token=front.authenticated, role="orchestrator")
@@ -450,7 +450,7 @@ def serve_orchestrator(
         finally:
             await orchestrator.close()
 
-    from specdec.engine.api import InvalidRequest
+    from specdec.errors import InvalidRequest
 
     try:
         try:

@@ -20,18 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.errors import (  # noqa: F401 - re-exported: the engines' errors are specdec.errors'
-    AlreadyExists,
-    ContextTooLong,
-    EngineError,
+from specdec.errors import (
     InvalidRequest,
-    NotFound,
-    Overloaded,
-    PeerUnavailable,
-    SessionGone,
-    StillRunning,
-    StoreUnavailable,
-    Unauthenticated,
 )
 from specdec.sampling import SamplingParams
 from specdec.verification.base import MethodParams

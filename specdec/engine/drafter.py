@@ -33,13 +33,13 @@ from specdec.engine.api import (
     MAX_TREE_NODES,
     DraftRequest,
     DraftResult,
-    InvalidRequest,
     LookaheadBranch,
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
 )
 from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
+from specdec.errors import InvalidRequest
 from specdec.races import race
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from specdec.engine.api import ContextTooLong, InvalidRequest, Overloaded, SessionGone
+from specdec.errors import ContextTooLong, InvalidRequest, Overloaded, SessionGone
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,6 @@ import torch
 
 from specdec.engine.api import (
     MAX_TREE_NODES,
-    ContextTooLong,
-    InvalidRequest,
     ModelInfo,
     ScoreRequest,
     TextCursor,
@@ -44,6 +42,7 @@ from specdec.engine.api import (
     VerifyRequest,
 )
 from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
+from specdec.errors import ContextTooLong, InvalidRequest
 from specdec.generation import CHAT_ROLES, ChatMessage
 from specdec.methods import Method, verification_method
 from specdec.randomness import TorchRandomSource

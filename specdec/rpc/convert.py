@@ -2,7 +2,7 @@
 
 The services and clients are thin because everything about the wire format lives here. The
 generation messages (and sampling) are converted in specdec.rpc.generation_convert, which needs no
-torch; their functions are re-exported here, so a server calls `convert.…` for every message.
+torch (the light client uses it).
 Decoding validates what the type system of protobuf cannot: tensor byte sizes against their
 shape, sampling parameters (through the dataclass), and integer ranges on encode (uint64
 seeds), raising InvalidRequest / SamplingParamsError with the field named, which the servers
@@ -33,22 +33,7 @@ from specdec.engine.api import (
     VerifyOutcome,
     VerifyRequest,
 )
-from specdec.rpc.generation_convert import (  # noqa: F401 - re-exported: servers call convert.generation_…
-    UINT64_MAX,
-    chat_messages_from_proto,
-    chat_messages_to_proto,
-    generation_chunk_from_proto,
-    generation_chunk_to_proto,
-    generation_request_from_proto,
-    generation_request_to_proto,
-    generation_result_from_proto,
-    generation_result_to_proto,
-    generation_stats_from_proto,
-    generation_stats_to_proto,
-    iteration_record_from_proto,
-    iteration_record_to_proto,
-    resume_request_from_proto,
-    resume_request_to_proto,
+from specdec.rpc.generation_convert import (
     sampling_from_proto,
     sampling_to_proto,
     to_ints,

@@ -1,7 +1,7 @@
 """What every specdec gRPC server and client shares: options, startup, shutdown, error handling.
 
 The mapping of exceptions to statuses and back lives in specdec.rpc.status (torch-free, for the
-light client); its names are re-exported here. Servers use `guarded` / `guarded_stream` /
+light client); import its names from there. Servers use `guarded` / `guarded_stream` /
 `abort_with` so that every handler answers the mapped status and logs what the client is not told.
 """
 
@@ -29,15 +29,9 @@ from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.errors import EngineError
 from specdec.rpc import convert
 from specdec.rpc.channel import message_options
-from specdec.rpc.status import (  # noqa: F401 - re-exported: servers and tests import them from here
-    MAX_DETAIL_CHARS,
-    OVERLOADED_PREFIX,
-    UPSTREAM,
-    RemoteError,
-    error_from_status,
+from specdec.rpc.status import (
     short_details,
     status_for,
-    without_addresses,
 )
 from specdec.rpc.v1 import common_pb2
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specdec.drafting import draft_tree
-from specdec.engine.api import ContextTooLong, DraftRequest, InvalidRequest, SessionGone
+from specdec.engine.api import DraftRequest
+from specdec.errors import ContextTooLong, InvalidRequest, SessionGone
 from specdec.randomness import TorchRandomSource
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import DraftTree, optimal_tree_shape

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine.api import DraftRequest, InvalidRequest, VerifyRequest
+from specdec.engine.api import DraftRequest, VerifyRequest
+from specdec.errors import InvalidRequest
 from specdec.sampling import SamplingParams
 from specdec.trees import DraftTree, optimal_tree_shape
 from specdec.verification.base import MethodParams

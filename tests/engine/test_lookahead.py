@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from specdec.drafting import guess_tokens
-from specdec.engine.api import DraftRequest, InvalidRequest, LookaheadRequest
+from specdec.engine.api import DraftRequest, LookaheadRequest
 from specdec.engine.drafter import DrafterEngine
+from specdec.errors import InvalidRequest
 from specdec.races import race, race_arrivals
 from specdec.sampling import SamplingParams, warp_logits
 

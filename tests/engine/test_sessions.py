@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import pytest
 
-from specdec.engine.api import ContextTooLong, InvalidRequest, Overloaded, SessionGone
 from specdec.engine.sessions import (
     SessionConfig,
     SessionStore,
@@ -19,6 +18,7 @@ from specdec.engine.sessions import (
     check_tokens,
     kv_bytes_per_token,
 )
+from specdec.errors import ContextTooLong, InvalidRequest, Overloaded, SessionGone
 
 WAIT_S = 20.0  # bound of every wait for another thread (never reached unless something is broken)
 

@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from specdec.engine.api import ContextTooLong, InvalidRequest, ScoreRequest, SessionGone, VerifyRequest
+from specdec.engine.api import ScoreRequest, VerifyRequest
+from specdec.errors import ContextTooLong, InvalidRequest, SessionGone
 from specdec.races import race, race_winner
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import optimal_tree_shape

@@ -10,8 +10,9 @@ import random
 import pytest
 import torch
 
-from specdec.engine.api import InvalidRequest, TextCursor, VerifyOutcome, VerifyRequest
+from specdec.engine.api import TextCursor, VerifyOutcome, VerifyRequest
 from specdec.engine.verifier import VerifierEngine
+from specdec.errors import InvalidRequest
 from specdec.runtime.detokenize import PARTIAL
 from specdec.runtime.loading import load_model
 from specdec.sampling import SamplingParams

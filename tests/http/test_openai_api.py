@@ -74,6 +74,22 @@ async def test_chat_applies_the_template(client, http_server) -> None:
     assert response.usage.prompt_tokens == 6 == reference.prompt_tokens
 
 
+async def test_a_chat_answer_ended_by_eos_holds_no_eos_text(client) -> None:
+    """The end-of-sequence token (t7, a special token) ends the answer but is no text, as with vLLM
+    and OpenAI: `"content": "t4 t2"`, never `"t4 t2 t7"`."""
+    messages = [{"role": "user", "content": "t5 t6"}]
+    for seed in range(60):  # bounded: an eighth of the tokens is EOS, so most answers end with it
+        response = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                                        temperature=1.0, seed=seed)
+        choice = response.choices[0]
+        if choice.finish_reason == "stop":
+            break
+    else:
+        pytest.fail("no answer ended with EOS")
+    assert "t7" not in choice.message.content.split(), choice.message.content
+    assert response.usage.completion_tokens >= 1
+
+
 async def test_streamed_completion_puts_together_the_whole_answer(client) -> None:
     whole = await client.completions.create(model=MODEL, prompt="t1 t2", max_tokens=10, temperature=0,
                                             extra_body={"ignore_eos": True})
@@ -227,7 +243,7 @@ class _NotServing:
     target_info = None
 
     async def ensure_serving(self) -> None:
-        from specdec.engine.api import PeerUnavailable
+        from specdec.errors import PeerUnavailable
 
         raise PeerUnavailable("verifier not ready")
 

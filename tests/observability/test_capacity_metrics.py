@@ -10,8 +10,9 @@ from orchestrator import metrics
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.speculation import Orchestrator
-from specdec.engine.api import DraftRequest, Overloaded
+from specdec.engine.api import DraftRequest
 from specdec.engine.sessions import SessionConfig
+from specdec.errors import Overloaded
 from specdec.sampling import SamplingParams
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "observability.md"

@@ -133,7 +133,7 @@ def test_metrics_port_in_use_is_a_clear_error():
 def test_call_outcomes_tell_protocol_from_failure():
     import asyncio
 
-    from specdec.engine.api import InvalidRequest, SessionGone
+    from specdec.errors import InvalidRequest, SessionGone
 
     assert metrics.call_outcome(None) == "ok"
     assert metrics.call_outcome(SessionGone("resend")) == "session_gone"

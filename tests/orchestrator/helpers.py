@@ -15,7 +15,8 @@ from scipy.stats import chisquare
 from orchestrator.config import OrchestratorConfig
 from orchestrator.run import Run, new_run
 from orchestrator.speculation import Orchestrator
-from specdec.engine.api import ModelInfo, PeerUnavailable
+from specdec.engine.api import ModelInfo
+from specdec.errors import PeerUnavailable
 from specdec.generation import GenerationRequest
 from specdec.races import race, race_winner
 from specdec.runtime.loading import LoadedModel, load_model

@@ -10,10 +10,11 @@ import pytest
 
 from orchestrator.admission import RequestSlots
 from orchestrator.config import OrchestratorConfig
-from specdec.engine.api import DraftRequest, Overloaded
+from specdec.engine.api import DraftRequest
 from specdec.engine.sessions import SessionConfig
+from specdec.errors import Overloaded
 from specdec.generation import GenerationRequest
-from specdec.rpc.grpc_support import OVERLOADED_PREFIX, RemoteError, error_from_status, status_for
+from specdec.rpc.status import OVERLOADED_PREFIX, RemoteError, error_from_status, status_for
 from specdec.sampling import SamplingParams
 
 WAIT_S = 20.0  # bound of every wait (never reached unless something is broken)

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from orchestrator.failover import Backoff, DrafterDown, both, check_vocabulary
-from specdec.engine.api import InvalidRequest, ModelInfo, PeerUnavailable
+from specdec.engine.api import ModelInfo
+from specdec.errors import InvalidRequest, PeerUnavailable
 
 
 async def _value(v, delay=0.0):

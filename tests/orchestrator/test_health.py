@@ -21,7 +21,7 @@ from orchestrator.health import Dependencies
 from orchestrator.server import start_orchestrator_server
 from orchestrator.speculation import Orchestrator
 from orchestrator.store import MemoryStore
-from specdec.engine.api import PeerUnavailable, StoreUnavailable
+from specdec.errors import PeerUnavailable, StoreUnavailable
 from specdec.generation import GenerationRequest
 from specdec.rpc.grpc_support import stop_server
 from specdec.rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc

@@ -19,9 +19,9 @@ from orchestrator.intervals import overlap, union
 from orchestrator.scheduling import rank_acceptance_from_calibration
 from orchestrator.speculation import Orchestrator
 from orchestrator.store import MemoryStore, RedisStore
-from specdec.engine.api import InvalidRequest, NotFound, Overloaded, SessionGone, StillRunning
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
+from specdec.errors import InvalidRequest, NotFound, Overloaded, SessionGone, StillRunning
 from specdec.generation import GenerationRequest
 from specdec.sampling import SamplingParams
 from tests.orchestrator.helpers import FlakyDrafter, ForgetfulClient, hf_greedy, race_reference, slowed_model

@@ -24,9 +24,10 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.drafting import DraftingContext, strategy_for
 from orchestrator.drafting.lookahead import LookAhead, PreDraft, chain
 from orchestrator.speculation import Orchestrator
-from specdec.engine.api import DraftResult, InvalidRequest
+from specdec.engine.api import DraftResult
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
+from specdec.errors import InvalidRequest
 from specdec.generation import GenerationRequest
 from specdec.methods import get_method
 from specdec.runtime.loading import load_model

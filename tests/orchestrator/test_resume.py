@@ -12,7 +12,7 @@ from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVeri
 from orchestrator.config import OrchestratorConfig
 from orchestrator.speculation import Orchestrator
 from orchestrator.store import MemoryStore
-from specdec.engine.api import AlreadyExists, NotFound, PeerUnavailable, StillRunning
+from specdec.errors import AlreadyExists, NotFound, PeerUnavailable, StillRunning
 from specdec.generation import GenerationRequest
 from specdec.sampling import SamplingParams
 

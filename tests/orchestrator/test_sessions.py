@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from orchestrator.sessions import SessionMirror, common_prefix, draft_rows
-from specdec.engine.api import DraftResult, SessionGone
+from specdec.engine.api import DraftResult
+from specdec.errors import SessionGone
 
 
 class Service:

@@ -17,7 +17,7 @@ from orchestrator.store import (
     open_store,
     redacted_url,
 )
-from specdec.engine.api import StoreUnavailable
+from specdec.errors import StoreUnavailable
 from specdec.rpc.security import ANONYMOUS
 from tests.redis_server import RedisServer
 

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
-    InvalidRequest,
     LookaheadBranch,
     LookaheadRequest,
     LookaheadResult,
@@ -23,6 +22,7 @@ from specdec.engine.api import (
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.errors import InvalidRequest
 from specdec.generation import (
     GenerationChunk,
     GenerationRequest,
@@ -30,7 +30,7 @@ from specdec.generation import (
     GenerationStats,
     IterationRecord,
 )
-from specdec.rpc import convert
+from specdec.rpc import convert, generation_convert
 from specdec.rpc.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2
 from specdec.sampling import MIN_TEMPERATURE, SamplingParams, SamplingParamsError
 from specdec.verification.base import MethodParams
@@ -85,24 +85,26 @@ def assert_same(a, b) -> None:
 @FAST
 @given(sampling)
 def test_sampling_round_trip(params: SamplingParams) -> None:
-    assert convert.sampling_from_proto(via_bytes(convert.sampling_to_proto(params))) == params
+    back = generation_convert.sampling_from_proto(via_bytes(generation_convert.sampling_to_proto(params)))
+    assert back == params
 
 
 def test_sampling_keeps_double_precision() -> None:
     """A float32 temperature would make the two sides warp with different numbers."""
     params = SamplingParams(temperature=0.7, top_p=0.9)
-    back = convert.sampling_from_proto(via_bytes(convert.sampling_to_proto(params)))
+    back = generation_convert.sampling_from_proto(via_bytes(generation_convert.sampling_to_proto(params)))
     assert back.temperature == 0.7 and back.top_p == 0.9
 
 
 def test_sampling_defaults_when_unset_and_validation() -> None:
-    assert convert.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
-    assert convert.sampling_from_proto(common_pb2.SamplingParams(), present=False) == SamplingParams()
-    assert convert.sampling_from_proto(common_pb2.SamplingParams(temperature=0.0)).greedy
+    assert generation_convert.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
+    unset = common_pb2.SamplingParams()
+    assert generation_convert.sampling_from_proto(unset, present=False) == SamplingParams()
+    assert generation_convert.sampling_from_proto(common_pb2.SamplingParams(temperature=0.0)).greedy
     with pytest.raises(SamplingParamsError, match="top_p"):
-        convert.sampling_from_proto(common_pb2.SamplingParams(top_p=1.5))
+        generation_convert.sampling_from_proto(common_pb2.SamplingParams(top_p=1.5))
     with pytest.raises(SamplingParamsError, match="temperature"):
-        convert.sampling_from_proto(common_pb2.SamplingParams(temperature=-1.0))
+        generation_convert.sampling_from_proto(common_pb2.SamplingParams(temperature=-1.0))
 
 
 @FAST
@@ -425,30 +427,32 @@ generation_requests = st.builds(
 @FAST
 @given(generation_requests)
 def test_generation_request_round_trip(req: GenerationRequest) -> None:
-    back = convert.generation_request_from_proto(via_bytes(convert.generation_request_to_proto(req)))
-    assert back == req
+    wire = via_bytes(generation_convert.generation_request_to_proto(req))
+    assert generation_convert.generation_request_from_proto(wire) == req
 
 
 def test_generation_request_none_differs_from_empty() -> None:
     """stop_token_ids=None means 'the target's EOS ids'; [] means 'no stop tokens'."""
     for value in (None, []):
         req = GenerationRequest(prompt_ids=[1, 2], stop_token_ids=value, seed=0)
-        back = convert.generation_request_from_proto(via_bytes(convert.generation_request_to_proto(req)))
+        wire = via_bytes(generation_convert.generation_request_to_proto(req))
+        back = generation_convert.generation_request_from_proto(wire)
         assert back.stop_token_ids == value and back.prompt is None and back.seed == 0
 
 
 def test_generation_request_defaults_when_unset() -> None:
-    assert convert.generation_request_from_proto(generation_pb2.GenerationRequest()) == GenerationRequest()
+    unset = generation_pb2.GenerationRequest()
+    assert generation_convert.generation_request_from_proto(unset) == GenerationRequest()
 
 
 def test_unset_knobs_stay_unset_on_the_wire() -> None:
     """A request naming no method, k, a or pipeline sends none of them (the orchestrator's defaults
     apply), and the server reads None for each, not a default of its own."""
-    msg = convert.generation_request_to_proto(GenerationRequest(prompt="p"))
+    msg = generation_convert.generation_request_to_proto(GenerationRequest(prompt="p"))
     assert not any(msg.HasField(name) for name in ("method", "k", "a", "pipeline"))
-    back = convert.generation_request_from_proto(via_bytes(msg))
+    back = generation_convert.generation_request_from_proto(via_bytes(msg))
     assert (back.method, back.k, back.a, back.pipeline) == (None, None, None, None)
-    named = convert.generation_request_to_proto(GenerationRequest(prompt="p", method="ersd"))
+    named = generation_convert.generation_request_to_proto(GenerationRequest(prompt="p", method="ersd"))
     assert named.HasField("method") and named.method == "ersd"
 
 
@@ -509,8 +513,8 @@ results = st.builds(
 @FAST
 @given(results)
 def test_generation_result_round_trip(result: GenerationResult) -> None:
-    msg = via_bytes(convert.generation_result_to_proto(result))
-    assert convert.generation_result_from_proto(msg) == result
+    msg = via_bytes(generation_convert.generation_result_to_proto(result))
+    assert generation_convert.generation_result_from_proto(msg) == result
     assert msg.stats.tokens_per_second == pytest.approx(result.stats.tokens_per_second)
     assert msg.stats.acceptance_rate == pytest.approx(result.stats.acceptance_rate)
 
@@ -519,7 +523,8 @@ def test_generation_result_round_trip(result: GenerationResult) -> None:
 @given(toks=tokens, text=st.text(max_size=10), result=st.one_of(st.none(), results))
 def test_generation_chunk_round_trip(toks, text, result) -> None:
     chunk = GenerationChunk(toks, text, result)
-    assert convert.generation_chunk_from_proto(via_bytes(convert.generation_chunk_to_proto(chunk))) == chunk
+    wire = via_bytes(generation_convert.generation_chunk_to_proto(chunk))
+    assert generation_convert.generation_chunk_from_proto(wire) == chunk
 
 
 PAIRS = [

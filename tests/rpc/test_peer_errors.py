@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from specdec.engine.api import InvalidRequest, PeerUnavailable
-from specdec.rpc.grpc_support import RemoteError, error_from_status, status_for, without_addresses
+from specdec.errors import InvalidRequest, PeerUnavailable
+from specdec.rpc.status import RemoteError, error_from_status, status_for, without_addresses
 
 ADDRESS = "10.1.2.3:50052"
 REFUSED = f"failed to connect to all addresses; last error: UNKNOWN: ipv4:{ADDRESS}: Connection refused"

@@ -25,12 +25,8 @@ from orchestrator.clients.grpc_client import (  # noqa: E402
 from orchestrator.server import start_orchestrator_server  # noqa: E402
 from orchestrator.speculation import Orchestrator  # noqa: E402
 from specdec.client import AsyncClient  # noqa: E402
-from specdec.engine.api import (  # noqa: E402
-    DraftRequest,
-    LookaheadRequest,
-    PeerUnavailable,
-    Unauthenticated,
-)
+from specdec.engine.api import DraftRequest, LookaheadRequest
+from specdec.errors import PeerUnavailable, Unauthenticated
 from specdec.generation import GenerationRequest  # noqa: E402
 from specdec.rpc.grpc_support import stop_server  # noqa: E402
 from specdec.rpc.security import UNAUTHENTICATED_MESSAGE, ClientSecurity, ServerSecurity  # noqa: E402

@@ -11,7 +11,8 @@ import pytest
 
 from orchestrator.clients.grpc_client import GrpcDrafterClient
 from specdec.cli.processes import check_health
-from specdec.engine.api import DraftRequest, Unauthenticated
+from specdec.engine.api import DraftRequest
+from specdec.errors import Unauthenticated
 from specdec.rpc.security import ClientSecurity
 from specdec.sampling import SamplingParams
 from tests.integration.helpers import TINY_CONTEXT, UpProcess, invoke_cli, json_lines

@@ -12,18 +12,14 @@ from dataclasses import replace
 import torch
 
 from specdec.engine.api import (
-    ContextTooLong,
     DraftRequest,
     DraftResult,
-    EngineError,
-    InvalidRequest,
     ModelInfo,
-    PeerUnavailable,
     ScoreRequest,
-    SessionGone,
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.errors import ContextTooLong, EngineError, InvalidRequest, PeerUnavailable, SessionGone
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats
 from specdec.rpc.security import ANONYMOUS
 from specdec.sampling import SamplingParamsError

@@ -29,16 +29,10 @@ from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVeri
 from orchestrator.server import start_orchestrator_server  # noqa: E402
 from orchestrator.speculation import Orchestrator  # noqa: E402
 from specdec.client import AsyncClient  # noqa: E402
-from specdec.engine.api import (  # noqa: E402
-    DraftRequest,
-    InvalidRequest,
-    LookaheadRequest,
-    ScoreRequest,
-    SessionGone,
-    VerifyRequest,
-)
+from specdec.engine.api import DraftRequest, LookaheadRequest, ScoreRequest, VerifyRequest
 from specdec.engine.drafter import DrafterEngine  # noqa: E402
 from specdec.engine.verifier import VerifierEngine  # noqa: E402
+from specdec.errors import InvalidRequest, SessionGone
 from specdec.generation import GenerationRequest  # noqa: E402
 from specdec.methods import get_method  # noqa: E402
 from specdec.rpc.grpc_support import stop_server  # noqa: E402

@@ -20,18 +20,12 @@ from drafter_service.server import start_drafter_server
 from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
 from orchestrator.server import start_orchestrator_server
 from specdec.client import AsyncClient
-from specdec.engine.api import (
-    DraftRequest,
-    EngineError,
-    InvalidRequest,
-    PeerUnavailable,
-    ScoreRequest,
-    SessionGone,
-    VerifyRequest,
-)
+from specdec.engine.api import DraftRequest, ScoreRequest, VerifyRequest
+from specdec.errors import EngineError, InvalidRequest, PeerUnavailable, SessionGone
 from specdec.generation import GenerationRequest
 from specdec.rpc import convert
-from specdec.rpc.grpc_support import RemoteError, stop_server
+from specdec.rpc.grpc_support import stop_server
+from specdec.rpc.status import RemoteError
 from specdec.rpc.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.verification.base import MethodParams

@@ -17,17 +17,17 @@ import pytest  # noqa: E402
 from drafter_service.server import start_drafter_server  # noqa: E402
 from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient  # noqa: E402
 from orchestrator.config import OrchestratorConfig  # noqa: E402
-from specdec.engine.api import (  # noqa: E402
+from specdec.engine.api import (
     MAX_LOOKAHEAD_GUESSES,
     MAX_LOOKAHEAD_K,
     MAX_TREE_NODES,
-    InvalidRequest,
     LookaheadRequest,
     ScoreRequest,
     VerifyRequest,
 )
 from specdec.engine.drafter import DrafterEngine  # noqa: E402
 from specdec.engine.verifier import VerifierEngine  # noqa: E402
+from specdec.errors import InvalidRequest
 from specdec.rpc.grpc_support import stop_server  # noqa: E402
 from specdec.rpc.v1 import drafter_pb2  # noqa: E402
 from specdec.runtime.loading import load_model  # noqa: E402

@@ -33,17 +33,13 @@ from orchestrator.server import start_orchestrator_server  # noqa: E402
 from orchestrator.speculation import Orchestrator  # noqa: E402
 from orchestrator.store import STORE_DOWN, RedisStore, Store  # noqa: E402
 from specdec.client import AsyncClient  # noqa: E402
-from specdec.engine.api import (  # noqa: E402
-    AlreadyExists,
-    InvalidRequest,
-    NotFound,
-    PeerUnavailable,
-    StillRunning,
-)
 from specdec.engine.drafter import DrafterEngine  # noqa: E402
 from specdec.engine.verifier import VerifierEngine  # noqa: E402
+from specdec.errors import AlreadyExists, InvalidRequest, NotFound, PeerUnavailable, StillRunning
 from specdec.generation import GenerationChunk, GenerationRequest  # noqa: E402
-from specdec.rpc import convert  # noqa: E402
+from specdec.rpc import (
+    generation_convert,
+)
 from specdec.rpc.grpc_support import stop_server  # noqa: E402
 from specdec.rpc.security import ClientSecurity  # noqa: E402
 from specdec.rpc.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
@@ -192,8 +188,9 @@ async def test_a_record_is_bound_to_the_token_that_created_it(engines):
 
 async def test_resume_without_an_id_is_invalid_argument(engines):
     with pytest.raises(InvalidRequest, match="request_id"):
-        convert.resume_request_to_proto("")
-    assert convert.resume_request_from_proto(convert.resume_request_to_proto("r-1")) == "r-1"
+        generation_convert.resume_request_to_proto("")
+    wire = generation_convert.resume_request_to_proto("r-1")
+    assert generation_convert.resume_request_from_proto(wire) == "r-1"
     async with serving(engines) as stack, grpc.aio.insecure_channel(stack.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         for call in (stub.Resume(generation_pb2.ResumeRequest(), timeout=10),
