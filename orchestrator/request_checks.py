@@ -22,7 +22,7 @@ def check_request(request: GenerationRequest, config: OrchestratorConfig, target
     Sizes come first, each read in constant time or bounded by its limit (config: max_prompt_bytes,
     max_request_id_chars, max_stop_strings, …), so an oversized request costs nothing further.
     """
-    _check_request_id(request.request_id, config.max_request_id_chars)
+    check_request_id(request.request_id, config.max_request_id_chars)
     _check_prompt_size(request, config, target)
     stop = request.stop or []
     _check_count("stop", stop, config.max_stop_strings, "stop strings")
@@ -113,7 +113,8 @@ def _check_chat(request: GenerationRequest, config: OrchestratorConfig) -> None:
                                  f"{config.max_prompt_bytes} UTF-8 bytes are allowed (max_prompt_bytes)")
 
 
-def _check_request_id(request_id: str | None, limit: int) -> None:
+def check_request_id(request_id: str | None, limit: int) -> None:
+    """A request_id's type, length (before anything else reads it) and characters; empty: none given."""
     if not request_id:
         return  # a fresh id is made
     if not isinstance(request_id, str):

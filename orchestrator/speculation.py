@@ -30,7 +30,7 @@ from orchestrator.failover import DrafterDown
 from orchestrator.health import Dependencies
 from orchestrator.output import PARTIAL, absorb, context_full, text_delta
 from orchestrator.probes import IterationProbe, LoopObserver, RequestProbe
-from orchestrator.request_checks import check_prompt, check_request
+from orchestrator.request_checks import check_prompt, check_request, check_request_id
 from orchestrator.run import Run, new_run
 from orchestrator.sessions import RunSessions
 from orchestrator.store import RequestRecord, Store, open_store
@@ -154,6 +154,9 @@ class Orchestrator:
         output. NotFound when `owner` has no such request (another owner's reads the same);
         StillRunning while a live run holds the record's lease (docs/reliability.md).
         """
+        if not request_id:
+            raise InvalidRequest("request_id: give the id of the stored request to resume")
+        check_request_id(request_id, self.config.max_request_id_chars)  # before the store reads it
         async with self.admission.slot():
             if self.target_info is None:
                 await self.start()

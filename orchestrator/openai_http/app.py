@@ -10,6 +10,12 @@ and exactness; a refusal has the status a gRPC client would get, mapped to HTTP 
 with an OpenAI error body. With tokens configured (the orchestrator's --auth-token-file) every route
 but /health needs `Authorization: Bearer <token>` (what the `openai` package sends as its api_key);
 the caller's identity (its token's digest) owns its requests as over gRPC.
+
+Every refusal answers with OpenAI's error body, the field at fault in its `param`, from inside the
+route (GuardedRoute), so none reaches Starlette's ServerErrorMiddleware: that one re-raises, and
+uvicorn then logs a traceback and drops the keep-alive connection, for each bad request. The token
+is checked before the body is read. Refusals are logged once each, rate-limited, without a
+traceback unless the server is at fault (errors.RefusalLog).
 """
 
 from __future__ import annotations
@@ -19,16 +25,21 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from orchestrator.openai_http import responses
-from orchestrator.openai_http.schemas import ChatCompletionRequest, CompletionRequest
+from orchestrator.openai_http.errors import REFUSALS
+from orchestrator.openai_http.schemas import ChatCompletionRequest, CompletionRequest, json_kind, param_of
 from specdec.errors import NotFound, Unauthenticated
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult
 from specdec.rpc.security import ANONYMOUS, UNAUTHENTICATED_MESSAGE, TokenAuthInterceptor, digest
@@ -37,6 +48,8 @@ from specdec.rpc.status import status_for
 log = logging.getLogger(__name__)
 
 FALLBACK_MODEL_NAME = "specdec"
+OPEN_PATHS = frozenset({"/health"})  # answered without a token (probes)
+CHAT_PATH = "/v1/chat/completions"
 
 
 class TokenLimit(Protocol):
@@ -93,24 +106,45 @@ class OpenAIFrontDoor:
             raise NotFound(f"model {model!r} does not exist; this server serves {self.model_name!r}")
 
 
+class GuardedRoute(APIRoute):
+    """A route that checks the token before the body is read, and answers every error itself with
+    an OpenAI error body, so that no exception leaves the app (see the module docstring)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        open_route = self.path in OPEN_PATHS
+
+        async def guarded(request: Request) -> Response:
+            try:
+                if not open_route:
+                    request.state.owner = request.app.state.door.owner(request)
+                return await handler(request)
+            except Exception as exc:  # noqa: BLE001 - every error becomes its HTTP answer here
+                return refusal(request, exc)
+
+        return guarded
+
+
 def create_app(orchestrator: OpenAIBackend, *, served_model_name: str | None = None,
                tokens: Collection[str] = ()) -> FastAPI:
     """The ASGI app over `orchestrator` (orchestrator.speculation.Orchestrator or alike)."""
     door = OpenAIFrontDoor(orchestrator, served_model_name=served_model_name, tokens=tokens)
     app = FastAPI(title="specdec", summary="OpenAI-compatible API of a specdec orchestrator",
                   docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = GuardedRoute
     app.state.door = door
 
+    # The router's own refusals (404 unknown path, 405 wrong method) come here, answered in place;
+    # validation errors are answered by GuardedRoute, this handler is a backstop.
+    @app.exception_handler(StarletteHTTPException)
     @app.exception_handler(RequestValidationError)
-    async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body" and not _type_tag(part))
-        message = f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg", exc))
-        return _error_response(400, "invalid_request_error", message, param=where or None)
+    async def _refused(request: Request, exc: Exception) -> Response:
+        return refusal(request, exc)
 
     @app.exception_handler(Exception)
     async def _any_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(exc)
+        # Only an error outside every route gets here; uvicorn logs its traceback (a bug: 500).
+        return _error_response(500, "internal_error", "internal error (details in the server log)")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -121,8 +155,7 @@ def create_app(orchestrator: OpenAIBackend, *, served_model_name: str | None = N
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        door.owner(request)
+    async def models() -> JSONResponse:
         target = getattr(orchestrator, "target_info", None)
         entry = {"id": door.model_name, "object": "model", "created": door.created, "owned_by": "specdec"}
         if target is not None and target.max_context:
@@ -131,21 +164,88 @@ def create_app(orchestrator: OpenAIBackend, *, served_model_name: str | None = N
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        owner = door.owner(request)
         door.check_model(body.model)
         samples = body.generation_requests()
-        return await _respond(door, samples, owner, chat=False, prompts=len(body.prompts()),
+        return await _respond(door, samples, request.state.owner, chat=False, prompts=len(body.prompts()),
                               stream=body.stream, include_usage=_include_usage(body))
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        owner = door.owner(request)
         door.check_model(body.model)
         samples = body.generation_requests(orchestrator.config.max_new_tokens_limit)
-        return await _respond(door, samples, owner, chat=True, prompts=1, stream=body.stream,
+        return await _respond(door, samples, request.state.owner, chat=True, prompts=1, stream=body.stream,
                               include_usage=_include_usage(body))
 
     return app
+
+
+def refusal(request: Request, exc: Exception) -> Response:
+    """The OpenAI error response for `exc`, logged once (rate-limited; a traceback only for a 500)."""
+    chat = request.url.path.rstrip("/") == CHAT_PATH
+    headers = None
+    param = code = None
+    if isinstance(exc, RequestValidationError):
+        status, error_type = 400, "invalid_request_error"
+        message, param = _invalid_body(exc)
+    elif isinstance(exc, StarletteHTTPException):
+        if isinstance(exc.__cause__, ClientDisconnect):  # the client left mid-body; no one reads this
+            return _error_response(400, "invalid_request_error", "the client closed the request")
+        status, error_type, message = _http_refusal(request, exc)
+        headers = exc.headers
+    else:
+        status, error_type, message = http_error(exc)
+        if status == 400:
+            param = param_of(message, chat=chat)
+        code = "model_not_found" if status == 404 else ("invalid_api_key" if status == 401 else None)
+    REFUSALS.record(status, request.method, request.url.path, message, exc)
+    return _error_response(status, error_type, message, code=code, param=param, headers=headers)
+
+
+def _invalid_body(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of a body that failed validation: the first error, naming its field."""
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return f"the body is not valid JSON: {reason} (at character {first['loc'][-1]})", None
+    where = _field_path(first.get("loc", ()))
+    message = str(first.get("msg", "invalid value"))
+    if where and first.get("type", "").endswith("_type") and "got" not in message:
+        message = f"{message}, got {json_kind(first.get('input'))}"
+    if not where:
+        body = first.get("input")
+        if isinstance(body, bytes | str):  # not parsed: no JSON Content-Type
+            return "the body must be a JSON object, sent with Content-Type: application/json", None
+        return f"the body must be a JSON object, got {json_kind(body)}", None
+    return f"{where}: {message}", where
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    """A pydantic error location as the body's field path ("messages[0].role"), union tags left out."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _type_tag(part):
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _http_refusal(request: Request, exc: StarletteHTTPException) -> tuple[int, str, str]:
+    """(status, type, message) of a refusal raised as an HTTPException (router, body parsing)."""
+    status = exc.status_code
+    path = request.url.path
+    where = f"{request.method} {path if len(path) <= 200 else path[:200] + '…'}"
+    if status == 404:
+        return 404, "invalid_request_error", f"invalid URL ({where})"
+    if status == 405:
+        allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+        return 405, "invalid_request_error", f"method not allowed ({where}); allowed: {allowed or 'none'}"
+    if status == 400 and isinstance(exc.__cause__, UnicodeError):
+        return 400, "invalid_request_error", "the body is not valid UTF-8 (a JSON body is UTF-8)"
+    if status == 400:
+        return 400, "invalid_request_error", "the body could not be read as JSON"
+    error_type = "invalid_request_error" if status < 500 else "internal_error"
+    return status, error_type, str(exc.detail)
 
 
 def _type_tag(part: Any) -> bool:
@@ -265,15 +365,7 @@ def http_error(exc: BaseException) -> tuple[int, str, str]:
     return status, error_type, message
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    status, error_type, message = http_error(exc)
-    if status == 500:
-        log.error("HTTP request failed", exc_info=exc)
-    code = "model_not_found" if status == 404 else ("invalid_api_key" if status == 401 else None)
-    return _error_response(status, error_type, message, code=code)
-
-
 def _error_response(status: int, error_type: str, message: str, *, code: str | None = None,
-                    param: str | None = None) -> JSONResponse:
-    return JSONResponse(responses.error_body(message, error_type, code=code, param=param), status_code=status)
-
+                    param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(responses.error_body(message, error_type, code=code, param=param),
+                        status_code=status, headers=headers)

@@ -6,13 +6,19 @@ meaning. Extra body fields, as vLLM takes them (`extra_body=` in the `openai` pa
 distribution the output is drawn from (penalties, logit_bias) or need what the service does not
 compute (logprobs, echo, tools) are refused with a 400 naming the field, never silently ignored;
 unknown fields are ignored, as OpenAI-compatible servers do.
+
+Types are strict where vLLM and OpenAI are: an integer field takes a JSON integer (or a number
+without a fraction), never a string or a boolean; a number field takes a finite JSON number; a
+boolean field takes true or false. pydantic's lax mode would read `"10"` as 10 and `true` as 1.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic_core import PydanticCustomError
 
 from specdec.errors import InvalidRequest
 from specdec.generation import CHAT_ROLES, ChatMessage, GenerationRequest
@@ -22,10 +28,44 @@ from specdec.sampling import SamplingParams
 MAX_CHOICES = 16
 # `max_tokens` left out of a completions request: OpenAI's default for /v1/completions.
 DEFAULT_COMPLETION_TOKENS = 16
+# top_k travels as a protobuf int32 to the engines: larger is refused here, naming the field.
+MAX_TOP_K = 2**31 - 1
+
+
+def json_kind(value: Any) -> str:
+    """A value's JSON type, for messages ("got a string")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = ((str, "a string"), (int, "an integer"), (float, "a number"), (list, "an array"),
+             (dict, "an object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
+def _json_integer(value: Any) -> Any:
+    """Only numbers reach int parsing (which refuses a fraction): not "10", not true."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("int_type", "must be an integer, got {kind}", {"kind": json_kind(value)})
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # 1e20 is an integer too; pydantic would call it "exceeded maximum size"
+    return value
+
+
+def _json_number(value: Any) -> Any:
+    """Only numbers reach float parsing: not "0.5", not true."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("float_type", "must be a number, got {kind}", {"kind": json_kind(value)})
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+JsonFloat = Annotated[float, BeforeValidator(_json_number), AllowInfNan(False)]
+JsonBool = Annotated[bool, Strict()]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: JsonBool = False
 
 
 class _Common(BaseModel):
@@ -34,26 +74,26 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
+    max_tokens: JsonInt | None = Field(None, ge=1)
+    temperature: JsonFloat | None = Field(None, ge=0.0)
+    top_p: JsonFloat | None = Field(None, gt=0.0, le=1.0)
+    n: JsonInt = Field(1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**64)
-    stream: bool = False
+    seed: JsonInt | None = Field(None, ge=0, lt=2**64)
+    stream: JsonBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: JsonFloat | None = None
+    frequency_penalty: JsonFloat | None = None
+    logit_bias: dict[str, JsonFloat] | None = None
     # extra body fields (vLLM's convention for what OpenAI has no field for); None (or an empty
     # method) leaves method, k, a and pipeline to the orchestrator's settings
-    top_k: int | None = Field(None, ge=-1)
-    ignore_eos: bool = False
+    top_k: JsonInt | None = Field(None, ge=-1, le=MAX_TOP_K)
+    ignore_eos: JsonBool = False
     method: str | None = None
-    k: int | None = Field(None, ge=0)
-    a: float | None = None
-    pipeline: bool | None = None
+    k: JsonInt | None = Field(None, ge=0)
+    a: JsonFloat | None = None
+    pipeline: JsonBool | None = None
 
     def refuse_unsupported(self) -> None:
         """A 400 for a field that would change what is sampled, or asks for what is not computed."""
@@ -82,10 +122,10 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str | list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    prompt: str | list[JsonInt] | list[str | list[JsonInt]]
+    echo: JsonBool = False
+    logprobs: JsonInt | None = None
+    best_of: JsonInt | None = None
     suffix: str | None = None
 
     def prompts(self) -> list[dict[str, Any]]:
@@ -143,16 +183,16 @@ class ChatCompletionRequest(_Common):
     the orchestrator's max_new_tokens_limit)."""
 
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: JsonInt | None = Field(None, ge=1)
+    logprobs: JsonBool | None = None
+    top_logprobs: JsonInt | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def generation_requests(self, default_max_tokens: int) -> list[GenerationRequest]:
         self.refuse_unsupported()
         if self.logprobs or self.top_logprobs:
-            raise InvalidRequest("logprobs is not supported")
+            raise InvalidRequest(f"{'logprobs' if self.logprobs else 'top_logprobs'} is not supported")
         if self.tools:
             raise InvalidRequest("tools are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -175,6 +215,25 @@ def _samples(requests: list[GenerationRequest], n: int) -> list[GenerationReques
             seed = None if request.seed is None else (request.seed + j) % 2**64
             samples.append(GenerationRequest(**{**request.__dict__, "seed": seed}))
     return samples
+
+
+# What the orchestrator's checks call a field the HTTP body names otherwise.
+_PARAM_ALIASES = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt"}
+# A message that names its field first: "n: …", "top_k must …", "echo is not supported",
+# "messages[0].role: …".
+_FIELD_FIRST = re.compile(r"([A-Za-z_]\w*)((?:\[\d+\]|\.[A-Za-z_]\w*)*)(?=:| must | is | are )")
+
+
+def param_of(message: str, *, chat: bool) -> str | None:
+    """The body field a refusal's message names first (OpenAI's error `param`), if it is one."""
+    match = _FIELD_FIRST.match(message)
+    if match is None:
+        return None
+    root = _PARAM_ALIASES.get(match[1], match[1])
+    if chat and root == "prompt":  # a chat's prompt is its messages
+        root = "messages"
+    fields = (ChatCompletionRequest if chat else CompletionRequest).model_fields
+    return root + match[2] if root in fields else None
 
 
 FinishReason = Literal["stop", "length"]

@@ -3,7 +3,8 @@
 uvicorn runs as a task beside the gRPC server: the process owner (serve_until_signal) handles
 SIGINT/SIGTERM and stops both, so uvicorn installs no signal handlers of its own here. Bodies are
 capped before they are read into memory (uvicorn has no limit of its own): a request body over
-`max_body_bytes` gets 413 with an OpenAI error body.
+`max_body_bytes` gets 413 with an OpenAI error body, whether its Content-Length says so or it is
+chunked and crosses the limit as it streams in.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from orchestrator.metrics import HttpMetrics, http_route
+from orchestrator.openai_http.errors import REFUSALS
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,12 @@ class _Server(uvicorn.Server):
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a body over `limit` bytes, by Content-Length or as it streams in."""
+    """ASGI middleware: 413 for a body over `limit` bytes, by Content-Length or as it streams in.
+
+    A chunked body is counted as it arrives: at the byte past the limit the 413 is sent at once and
+    the app is told the client left (`http.disconnect`), so it reads no further and whatever it
+    answers then is dropped; uvicorn discards the rest of the body without keeping it.
+    """
 
     def __init__(self, app: Any, limit: int) -> None:
         self.app = app
@@ -44,43 +51,43 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(send)
+            await self._refuse(scope, send, f"{int(declared)} bytes declared")
             return
         seen = 0
-        started = False
+        started = refused = False
 
         async def counted_receive() -> dict:
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _TooLarge
+                    refused = True
+                    if not started:
+                        await self._refuse(scope, send, f"over {self.limit} bytes streamed")
+                    return {"type": "http.disconnect"}
             return message
 
-        async def tracked_send(message: dict) -> None:
+        async def guarded_send(message: dict) -> None:
             nonlocal started
+            if refused and not started:
+                return  # the 413 was the answer
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        try:
-            await self.app(scope, counted_receive, tracked_send)
-        except _TooLarge:
-            if not started:
-                await self._refuse(send)
+        await self.app(scope, counted_receive, guarded_send)
 
-    async def _refuse(self, send: Any) -> None:
-        body = json.dumps({"error": {"message": f"request body over {self.limit} bytes",
-                                     "type": "invalid_request_error", "param": None,
+    async def _refuse(self, scope: dict, send: Any, seen: str) -> None:
+        message = f"request body over {self.limit} bytes"
+        REFUSALS.record(413, scope.get("method", ""), scope.get("path", ""), f"{message} ({seen})")
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                      "code": "request_too_large"}}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": the request ended before any answer

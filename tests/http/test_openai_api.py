@@ -129,20 +129,41 @@ async def test_streamed_chat_starts_with_the_role_and_ends_with_done(http_server
     assert {e["object"] for e in events} == {"chat.completion.chunk"}
 
 
-@pytest.mark.parametrize("fields, where", [
-    ({"temperature": -1}, "temperature"),
-    ({"extra_body": {"method": "nope"}}, "method"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logprobs": 2}, "logprobs"),
-    ({"n": 40}, "n:"),
-    ({"extra_body": {"a": 0.5, "method": "token"}}, "a:"),
+@pytest.mark.parametrize("fields, where, param", [
+    ({"temperature": -1}, "temperature", "temperature"),
+    ({"extra_body": {"method": "nope"}}, "method", "method"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty"),
+    ({"logprobs": 2}, "logprobs", "logprobs"),
+    ({"n": 40}, "n:", "n"),
+    ({"extra_body": {"a": 0.5, "method": "token"}}, "a:", "a"),
+    ({"extra_body": {"top_k": 10**12}}, "top_k", "top_k"),  # past the engines' int32
+    # strict types, as vLLM and OpenAI: no strings, booleans or fractions where an integer is due
+    ({"extra_body": {"max_tokens": "10"}}, "integer, got a string", "max_tokens"),
+    ({"extra_body": {"max_tokens": 2.5}}, "max_tokens", "max_tokens"),
+    ({"extra_body": {"max_tokens": True}}, "integer, got a boolean", "max_tokens"),
+    ({"extra_body": {"n": "2"}}, "n:", "n"),
+    ({"extra_body": {"seed": "7"}}, "seed", "seed"),
+    ({"extra_body": {"top_k": 2.5}}, "top_k", "top_k"),
+    ({"extra_body": {"temperature": "0.5"}}, "number, got a string", "temperature"),
+    ({"extra_body": {"top_p": True}}, "top_p", "top_p"),
+    ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos", "ignore_eos"),
+    ({"extra_body": {"stream": "false"}}, "stream", "stream"),
+    ({"extra_body": {"prompt": [1, True]}}, "prompt", "prompt"),
 ])
-async def test_bad_parameters_get_400_naming_the_field(client, fields, where) -> None:
+async def test_bad_parameters_get_400_naming_the_field(client, fields, where, param) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         await client.completions.create(model=MODEL, prompt="t1", max_tokens=2, **fields)
     assert caught.value.status_code == 400
     assert where in caught.value.body["message"]
     assert caught.value.body["type"] == "invalid_request_error"
+    assert caught.value.body["param"] is not None and caught.value.body["param"].startswith(param)
+
+
+async def test_integers_may_be_written_without_a_fraction(client) -> None:
+    """2.0 is a JSON integer's value (vLLM takes it too); only a fraction is refused."""
+    response = await client.completions.create(model=MODEL, prompt="t1", max_tokens=2, temperature=0,
+                                               extra_body={"max_tokens": 2.0, "ignore_eos": True})
+    assert response.usage.completion_tokens == 2
 
 
 async def test_a_bad_chat_role_and_an_empty_chat_get_400(client) -> None:

@@ -239,7 +239,7 @@ async def test_pipelined_drafts_overlap_verification(slow_self_pair, loaded):
 # ------------------------------------------------------------------------------------------------
 # fidelity at T = 1 (same machinery and thresholds as test_fidelity.py)
 
-SAMPLES = 1500
+SAMPLES = 1500  # the pre-drafted-only negative control below needs them (at 1000 it passed at p = 0.016)
 # k = 1: a pre-draft fits in 3 tokens; rd at a = 1 draws K = k_max everywhere, so it always pipelines
 FIDELITY = [("token", {"k": 1}), ("block", {"k": 1}), ("ersd", {"k": 1}), ("rd", {"k": 1, "a": 1.0}),
             ("token", {"k": 1, **GUESSES}), ("ersd", {"k": 1, **GUESSES})]

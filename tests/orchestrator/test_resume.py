@@ -12,7 +12,7 @@ from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVeri
 from orchestrator.config import OrchestratorConfig
 from orchestrator.speculation import Orchestrator
 from orchestrator.store import MemoryStore
-from specdec.errors import AlreadyExists, NotFound, PeerUnavailable, StillRunning
+from specdec.errors import AlreadyExists, InvalidRequest, NotFound, PeerUnavailable, StillRunning
 from specdec.generation import GenerationRequest
 from specdec.sampling import SamplingParams
 
@@ -154,6 +154,26 @@ async def test_a_record_is_bound_to_its_owner(make_orchestrator):
     assert (await orch.store.get_request("mine")).to_json() == before
     result = await orch.resume("mine", owner=ALICE)
     assert len(result.token_ids) == N
+
+
+async def test_resume_bounds_its_request_id_before_the_store_reads_it(make_orchestrator):
+    """Resume caps request_id as Generate does (max_request_id_chars): a 1 MB id is refused at once."""
+    orch = make_orchestrator()
+    reads = []
+    real_get = orch.store.get_request
+
+    async def get_request(request_id):
+        reads.append(len(request_id))
+        return await real_get(request_id)
+
+    orch.store.get_request = get_request
+    with pytest.raises(InvalidRequest, match="request_id: 1000000 characters; at most 128 are allowed"):
+        await orch.resume("x" * 1_000_000, owner=ALICE)
+    with pytest.raises(InvalidRequest, match="request_id: give the id"):
+        await orch.resume("", owner=ALICE)
+    with pytest.raises(InvalidRequest, match="printable ASCII"):
+        await orch.resume("a b", owner=ALICE)
+    assert reads == []
 
 
 class SlowReadStore(MemoryStore):
