@@ -17,9 +17,10 @@ from collections import Counter
 from orchestrator.run import Run
 from orchestrator.store import Store
 from orchestrator.timeline import Timeline
+from specdec.defaults import MODEL_SOURCE
 from specdec.engine.api import VerifyOutcome
 from specdec.errors import StoreUnavailable
-from specdec.generation import IterationRecord
+from specdec.generation import IterationRecord, SourceStats
 from specdec.trees import DraftTree
 
 log = logging.getLogger(__name__)
@@ -29,12 +30,13 @@ CALIBRATION_FLUSH_ITERATIONS = 64  # long requests add their counts to the store
 
 def account(
     run: Run, record: IterationRecord, *, tree: DraftTree, outcome: VerifyOutcome, emitted: list[int],
-    started: float, timeline: Timeline,
+    started: float, timeline: Timeline, source: str = MODEL_SOURCE,
 ) -> None:
     """Complete the iteration's record, add it to the run's statistics and calibration counts."""
     state = run.state
     record.drafted = len(tree) > 0
     record.num_drafted = len(tree)
+    record.source = source if record.drafted else ""
     record.accepted = len(outcome.accepted_nodes)
     record.emitted = emitted
     record.start, record.end = run.epoch(started), run.epoch(time.perf_counter())
@@ -57,7 +59,12 @@ def account(
         stats.accepted_tokens += accepted
         bump(stats.drafted_per_position, tree.max_depth)
         bump(stats.accepted_per_position, accepted)
-        count_calibration(state.calibration, record.method, tree, outcome.accepted_nodes)
+        by_source = stats.sources.setdefault(record.source, SourceStats())
+        by_source.drafts += 1
+        by_source.drafted_tokens += len(tree)
+        by_source.accepted_tokens += accepted
+        if record.source == MODEL_SOURCE:  # the pair's calibration is the draft model's acceptance
+            count_calibration(state.calibration, record.method, tree, outcome.accepted_nodes)
     state.iterations.append(record)
 
 

@@ -134,6 +134,23 @@ def _pooled(hits: list[_Mean], prior: float, prior_weight: float) -> float:
     return (total + prior_weight * prior) / (weight + prior_weight)
 
 
+def _line_seconds(by_size: dict[int, _Mean], n: int) -> float:
+    """A weighted least-squares line through the mean seconds measured at each size, read at n
+    (PRIOR_SLOPE through a single size; nan with none)."""
+    points = [(size, m.value, m.weight) for size, m in by_size.items() if m.weight > 0]
+    if not points:
+        return math.nan
+    if len({size for size, _, _ in points}) == 1:
+        size, t, _ = points[0]
+        return t / (1.0 + PRIOR_SLOPE * (size - 1)) * (1.0 + PRIOR_SLOPE * (n - 1))
+    w = sum(p[2] for p in points)
+    mx = sum(s * wt for s, _, wt in points) / w
+    my = sum(t * wt for _, t, wt in points) / w
+    sxx = sum(wt * (s - mx) ** 2 for s, _, wt in points)
+    slope = max(0.0, sum(wt * (s - mx) * (t - my) for s, t, wt in points) / sxx)
+    return max(1e-9, my + slope * (n - mx))
+
+
 @dataclass
 class PairEstimates:
     """Acceptance and timings of one model pair and method, over every request (module docstring)."""
@@ -206,18 +223,7 @@ class PairEstimates:
 
     def target_seconds(self, n: int) -> float:
         """T_p(n): a weighted least-squares line through the measured sizes (PRIOR_SLOPE through one)."""
-        points = [(size, m.value, m.weight) for size, m in self._verify.items() if m.weight > 0]
-        if not points:
-            return math.nan
-        if len({size for size, _, _ in points}) == 1:
-            size, t, _ = points[0]
-            return t / (1.0 + PRIOR_SLOPE * (size - 1)) * (1.0 + PRIOR_SLOPE * (n - 1))
-        w = sum(p[2] for p in points)
-        mx = sum(s * wt for s, _, wt in points) / w
-        my = sum(t * wt for _, t, wt in points) / w
-        sxx = sum(wt * (s - mx) ** 2 for s, _, wt in points)
-        slope = max(0.0, sum(wt * (s - mx) * (t - my) for s, t, wt in points) / sxx)
-        return max(1e-9, my + slope * (n - mx))
+        return _line_seconds(self._verify, n)
 
     def _model_seconds(self, k: int, overhead: float) -> float:
         t_q = self._draft_per_token.value if self._draft_per_token.weight > 0 else 0.0
@@ -414,3 +420,48 @@ class DrafterCallTimes:
     def expected(self, passes: int, catch_up: int, unknown_pass_s: float) -> float:
         """Expected seconds of a drafter call of `passes` forward passes after `catch_up` new tokens."""
         return self.pass_seconds(unknown_pass_s) * (max(1, passes) + max(0, catch_up) / CATCH_UP_PER_PASS)
+
+
+CALIBRATION_PRIOR = 4.0  # pseudo-tokens pulling a source's accepted ÷ predicted towards 1
+
+
+@dataclass
+class SourceEstimates:
+    """What model-free drafts (orchestrator.drafting.model_free) have been worth, over every request of
+    the orchestrator, for the hybrid's choice (orchestrator.drafting.hybrid):
+
+      c_s     per source, accepted ÷ predicted tokens (the proposal's own estimate, Σ of its path
+              probabilities), with CALIBRATION_PRIOR pseudo-tokens of 1: a proposal's counts say how
+              often a continuation recurred, not how often the target agrees;
+      W(n)    the wall time of an iteration that verified n positions without the draft model (a
+              model-free draft, or a target-only step): a line through the measured sizes.
+
+    Decayed like PairEstimates (half-life HALF_LIFE iterations), so a changing workload is followed.
+    """
+
+    half_life: float = HALF_LIFE
+    _predicted: dict[str, _Mean] = field(default_factory=dict)
+    _accepted: dict[str, _Mean] = field(default_factory=dict)
+    _wall: dict[int, _Mean] = field(default_factory=dict)
+
+    def observe(self, source: str | None, *, predicted: float, accepted: int, positions: int,
+                wall_seconds: float, steady: bool = True) -> None:
+        """One iteration without the draft model: a model-free draft of `source` (None: a target-only
+        step) that verified `positions` positions; its time only when steady (no prefill in it)."""
+        decay = 0.5 ** (1.0 / self.half_life)
+        for mean in (*self._predicted.values(), *self._accepted.values(), *self._wall.values()):
+            mean.fade(decay)
+        if source is not None:
+            self._predicted.setdefault(source, _Mean()).add(predicted)
+            self._accepted.setdefault(source, _Mean()).add(float(accepted))
+        if steady and wall_seconds > 0:
+            self._wall.setdefault(positions, _Mean()).add(wall_seconds)
+
+    def calibration(self, source: str) -> float:
+        """c_s: accepted ÷ predicted tokens of the source's drafts, towards 1 while little is known."""
+        predicted, accepted = self._predicted.get(source, _Mean()), self._accepted.get(source, _Mean())
+        return (accepted.total + CALIBRATION_PRIOR) / (predicted.total + CALIBRATION_PRIOR)
+
+    def iteration_seconds(self, positions: int) -> float:
+        """W(n) (nan before any measurement)."""
+        return _line_seconds(self._wall, positions)

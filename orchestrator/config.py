@@ -10,7 +10,15 @@ from typing import Literal, get_args
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from specdec.defaults import DEFAULT_A, DEFAULT_K, DEFAULT_METHOD, DEFAULT_PIPELINE, DEFAULT_TREE_BUDGET
+from specdec.defaults import (
+    DEFAULT_A,
+    DEFAULT_DRAFT_SOURCE,
+    DEFAULT_K,
+    DEFAULT_METHOD,
+    DEFAULT_PIPELINE,
+    DEFAULT_TREE_BUDGET,
+    DRAFT_SOURCES,
+)
 from specdec.engine.api import MAX_LOOKAHEAD_K, MAX_TREE_NODES
 from specdec.methods import METHOD_NAMES
 
@@ -42,6 +50,23 @@ class OrchestratorConfig(BaseSettings):
     # Take k, tree budget, a and rank acceptance from `specdec analyze --save` for this model pair
     # (fields set explicitly, by argument or SPECDEC_* variable, always win).
     use_calibration: bool = True
+
+    # Where drafts come from when a request names no draft_source (orchestrator.drafting, DRAFT_SOURCES).
+    # "hybrid": per iteration a model-free draft when its expected gain pays for its verify rows, else
+    # the draft model, else a target-only step; with no drafter (`up --drafter none`) model-free or
+    # target-only. "model" / "lookup" / "suffix": that source alone.
+    draft_source: str = DEFAULT_DRAFT_SOURCE
+    # lookup: n-grams of the request's own prompt and output, longest first from max to min size; a
+    # draft copies at most lookup_max_tokens tokens that followed the most recent match.
+    lookup_min_ngram: int = Field(1, ge=1, le=16)
+    lookup_max_ngram: int = Field(4, ge=1, le=16)
+    lookup_max_tokens: int = Field(10, ge=1, le=MAX_LOOKAHEAD_K)
+    # suffix: the request's tokens plus a cache of recent requests' prompts and outputs, shared by the
+    # requests of this orchestrator process (per replica), bounded by requests and tokens (oldest
+    # evicted first). A draft is a tree of at most suffix_max_nodes nodes.
+    suffix_cache_requests: int = Field(256, ge=0)
+    suffix_cache_tokens: int = Field(262_144, ge=0)
+    suffix_max_nodes: int = Field(16, ge=1, le=MAX_TREE_NODES)
 
     # Pipelined speculation (orchestrator.drafting.lookahead): while the verifier checks a
     # block, the drafter already drafts the next one from the prefix that full acceptance would
@@ -145,6 +170,13 @@ class OrchestratorConfig(BaseSettings):
     def _known_method(cls, value: str) -> str:
         if value not in METHOD_NAMES:
             raise ValueError(f"default_method must be one of {', '.join(METHOD_NAMES)}, got {value!r}")
+        return value
+
+    @field_validator("draft_source")
+    @classmethod
+    def _known_source(cls, value: str) -> str:
+        if value not in DRAFT_SOURCES:
+            raise ValueError(f"draft_source must be one of {', '.join(DRAFT_SOURCES)}, got {value!r}")
         return value
 
     @field_validator("rank_acceptance")

@@ -46,6 +46,7 @@ class EngineLink:
     def __init__(self, drafter: DrafterClient | None, verifier: VerifierClient, config: OrchestratorConfig,
                  store: Store) -> None:
         self.drafter = drafter
+        self.drafter_calls = 0  # drafter calls running now, over every run (sessions.EngineWatch)
         self.verifier = verifier
         self.config = config  # the model pair's: calibrated by pair_config once both infos are read
         self.store = store  # its health is checked with the engines' (check_dependencies)

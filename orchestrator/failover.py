@@ -116,13 +116,17 @@ def check_vocabulary(draft: ModelInfo, target: ModelInfo) -> None:
         raise InvalidRequest(mismatch)
 
 
-def describe_defaults(config: OrchestratorConfig, draft: ModelInfo | None, target: ModelInfo) -> str:
+def describe_defaults(config: OrchestratorConfig, draft: ModelInfo | None, target: ModelInfo, *,
+                      has_drafter: bool = True) -> str:
     """Where the defaults of requests that set nothing come from, in one line a user can read on start:
     the values, and whether the pair's saved calibration (its file) or the built-in settings gave them."""
     k = (f"k online from {config.default_k} (requests without k or seed)" if config.adaptive_k
          else f"k {config.default_k}")
     pipeline = "on" if config.pipeline else "off"
-    values = f"method {config.default_method}, {k}, a {config.default_a:g}, pipeline {pipeline}"
+    values = (f"method {config.default_method}, drafts {config.draft_source}, {k}, a {config.default_a:g}, "
+              f"pipeline {pipeline}")
+    if not has_drafter:
+        return f"defaults: {values} (built-in; no drafter: model-free drafts or target-only steps)"
     if draft is None:
         return f"defaults: {values} (built-in; the drafter is not connected yet)"
     path = calibration_path(draft.model_id, target.model_id)

@@ -22,6 +22,15 @@ served model name (OrchestratorMetrics(model=...) or set_model(...), read at eac
   specdec_position_drafted_total{method,position}   iterations whose draft reached depth position+1
   specdec_position_accepted_total{method,position}  … and whose accepted path did (acceptance by
                                                     position = accepted / drafted)
+  specdec_source_drafts_total{model,source}         iterations that verified a draft, by where it came
+                                                    from: source = model (the draft model) | lookup (the
+                                                    request's own n-grams) | suffix (recent requests);
+                                                    target-only iterations are no draft of any source
+  specdec_source_drafted_tokens_total{model,source} draft tokens the verifier checked, by source
+  specdec_source_accepted_tokens_total{model,source} of those, accepted (acceptance rate by source =
+                                                    accepted / drafted)
+  specdec_source_accepted_length{model,source}      histogram: accepted tokens per draft (mean accepted
+                                                    length = _sum / _count; _count = drafts)
   specdec_iteration_seconds{method}                 histogram of iteration wall time
   specdec_draft_call_seconds{method}                histogram of drafter calls, as the loop saw them
   specdec_verify_call_seconds{method}               histogram of verifier calls (score and verify)
@@ -93,6 +102,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from specdec.defaults import MODEL_SOURCE
+
 if TYPE_CHECKING:
     from specdec.generation import GenerationResult, IterationRecord
 
@@ -106,6 +117,10 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.0, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                0.5, 0.75, 1.0, 2.5, 5.0)
+# Accepted tokens per draft: whole numbers, from 0 to a long model-free draft (lookup_max_tokens,
+# suffix_max_nodes: the accepted path of a long copy can be tens of tokens).
+ACCEPTED_LENGTH_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0, 48.0,
+                           64.0)
 DEFAULT_MODEL = "default"
 
 
@@ -202,6 +217,16 @@ class OrchestratorMetrics:
         self.verify_busy = counter("specdec_verify_busy_seconds", "Time the verifier was busy.", "method")
         self.overlap = counter("specdec_overlap_seconds", "Time drafter and verifier were both busy.",
                                "method")
+        # By draft source (IterationRecord.source): what each source drafted and how much was accepted.
+        self.source_drafts = counter("specdec_source_drafts", "Iterations that verified a draft, by draft "
+                                     "source (model, lookup, suffix).", "model", "source")
+        self.source_drafted_tokens = counter("specdec_source_drafted_tokens", "Draft tokens checked by the "
+                                             "verifier, by draft source.", "model", "source")
+        self.source_accepted_tokens = counter("specdec_source_accepted_tokens", "Draft tokens accepted, by "
+                                              "draft source.", "model", "source")
+        self.source_accepted_length = histogram("specdec_source_accepted_length", "Accepted tokens per "
+                                                "draft, by draft source (mean accepted length: sum/count).",
+                                                "model", "source", buckets=ACCEPTED_LENGTH_BUCKETS)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.overlap_ratio = histogram("specdec_iteration_overlap_ratio", "Per iteration: overlap / verifier "
                                        "busy time.", "method", buckets=RATIO_BUCKETS)
@@ -283,12 +308,23 @@ class OrchestratorMetrics:
             child(self.vllm_drafts, model).inc()
             child(self.vllm_draft_tokens, model).inc(record.num_drafted)
             child(self.vllm_accepted_tokens, model).inc(record.accepted)
+            source = draft_source(record)
+            child(self.source_drafts, model, source).inc()
+            child(self.source_drafted_tokens, model, source).inc(record.num_drafted)
+            child(self.source_accepted_tokens, model, source).inc(record.accepted)
+            child(self.source_accepted_length, model, source).observe(record.accepted)
             for position in range(depth):
                 child(self.position_drafted, method, str(position)).inc()
                 per_pos = child(self.vllm_accepted_per_pos, model, str(position))  # 0 until accepted there
                 if position < accepted_depth:
                     child(self.position_accepted, method, str(position)).inc()
                     per_pos.inc()
+
+
+def draft_source(record: IterationRecord) -> str:
+    """The `source` label of a drafted iteration: its record's source; a record that drafted without
+    naming one (written before sources existed) drafted with the model, as the statistics count it."""
+    return record.source or MODEL_SOURCE
 
 
 def _model_name(name: str) -> str:

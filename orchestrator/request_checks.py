@@ -8,15 +8,23 @@ from typing import Any
 
 from orchestrator.config import OrchestratorConfig
 from orchestrator.run import stop_ids
+from specdec.defaults import DRAFT_SOURCES, MODEL_SOURCE
 from specdec.engine.api import MAX_LOOKAHEAD_GUESSES, ModelInfo
 from specdec.errors import InvalidRequest
 from specdec.generation import GenerationRequest
-from specdec.methods import METHOD_NAMES, METHODS, check_drafting_probability, get_method
+from specdec.methods import (
+    DETERMINISTIC_METHOD_NAMES,
+    METHOD_NAMES,
+    METHODS,
+    check_drafting_probability,
+    get_method,
+)
 from specdec.sampling import SamplingParams
 from specdec.verification.errors import VerificationError
 
 
-def check_request(request: GenerationRequest, config: OrchestratorConfig, target: ModelInfo) -> str:
+def check_request(request: GenerationRequest, config: OrchestratorConfig, target: ModelInfo, *,
+                  has_drafter: bool = True) -> str:
     """Refuse a request with an InvalidRequest that names the field; returns its method.
 
     Sizes come first, each read in constant time or bounded by its limit (config: max_prompt_bytes,
@@ -60,7 +68,27 @@ def check_request(request: GenerationRequest, config: OrchestratorConfig, target
     _check_range("pipeline_rejection_guesses", request.pipeline_rejection_guesses, guesses, low=0)
     if request.seed is not None and not isinstance(request.seed, int):
         raise InvalidRequest(f"seed must be an integer, got {request.seed!r}")
+    _check_draft_source(request.draft_source, method, has_drafter=has_drafter)
     return method
+
+
+def _check_draft_source(source: object, method: str, *, has_drafter: bool) -> None:
+    """A named draft source exists, has an exact rule under the method, and has its drafter."""
+    if source is None:
+        return
+    if source not in DRAFT_SOURCES:
+        raise InvalidRequest(f"draft_source: unknown source {source!r}; choose one of "
+                             f"{', '.join(DRAFT_SOURCES)}")
+    spec = get_method(method)
+    if source != MODEL_SOURCE and not spec.takes_deterministic_drafts:
+        raise InvalidRequest(
+            f"draft_source {source!r} with method {method!r}: {method} has no exact rule for model-free "
+            f"drafts (docs/algorithms.md §15); use draft_source 'model', or a method among "
+            f"{', '.join(DETERMINISTIC_METHOD_NAMES)}"
+        )
+    if source == MODEL_SOURCE and not has_drafter:
+        raise InvalidRequest("draft_source 'model': this deployment runs without a draft model; choose one "
+                             f"of {', '.join(s for s in DRAFT_SOURCES if s != MODEL_SOURCE)}")
 
 
 def check_prompt(prompt_ids: Sequence[int], target: ModelInfo) -> None:

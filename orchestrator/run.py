@@ -18,8 +18,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from orchestrator import scheduling
 from orchestrator.config import OrchestratorConfig
 from orchestrator.store import RequestRecord
+from specdec.defaults import MODEL_SOURCE
 from specdec.engine.api import ModelInfo, TextCursor
-from specdec.generation import GenerationRequest, GenerationResult, GenerationStats, IterationRecord
+from specdec.generation import (
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    IterationRecord,
+    SourceStats,
+)
 from specdec.methods import Method, get_method
 from specdec.rpc.security import ANONYMOUS
 from specdec.sampling import SamplingParams
@@ -53,6 +60,8 @@ class RunSettings:
     adaptive: bool = False  # k is re-picked every iteration (orchestrator.adaptation)
     chat: bool = False  # the prompt came from a chat template (GenerationRequest.messages)
     owner: str = ANONYMOUS  # the identity the request's record is bound to (RequestRecord.owner)
+    draft_source: str = MODEL_SOURCE  # where drafts come from (orchestrator.drafting.SOURCES)
+    seeded: bool = False  # the request named its seed: its random streams may be shared with other requests
 
     @property
     def spec(self) -> Method:
@@ -67,7 +76,8 @@ class RunSettings:
             "stop_token_ids": sorted(self.stop_ids), "rank_acceptance": list(self.rank_acceptance),
             "pipeline": self.pipeline, "pipeline_max_k": self.pipeline_max_k,
             "bonus_guesses": self.bonus_guesses, "rejection_guesses": self.rejection_guesses,
-            "adaptive": self.adaptive, "chat": self.chat,
+            "adaptive": self.adaptive, "chat": self.chat, "draft_source": self.draft_source,
+            "seeded": self.seeded,
         }
 
     @classmethod
@@ -83,6 +93,9 @@ class RunSettings:
             bonus_guesses=p.get("bonus_guesses", 1),  # runs stored before guesses existed had one
             rejection_guesses=int(p.get("rejection_guesses", 0)), adaptive=bool(p.get("adaptive", False)),
             chat=bool(p.get("chat", False)), owner=record.owner,
+            # runs stored before draft sources drafted by model
+            draft_source=str(p.get("draft_source", MODEL_SOURCE)),
+            seeded=bool(p.get("seeded", True)),  # unknown for older records: the careful answer
         )
 
 
@@ -140,7 +153,7 @@ class Run:
     @classmethod
     def from_record(cls, record: RequestRecord) -> Run:
         """A new run that continues a stored request from its stored tokens (with a new session)."""
-        stats = GenerationStats(**record.stats) if record.stats else GenerationStats()
+        stats = stats_from_dict(record.stats) if record.stats else GenerationStats()
         return cls(RunSettings.from_record(record), RunState(generated=list(record.token_ids), stats=stats),
                    new_session_id(record.request_id))
 
@@ -156,7 +169,16 @@ class Run:
 
 def stats_dict(stats: GenerationStats) -> dict[str, Any]:
     """GenerationStats as JSON values (dataclasses.asdict deep-copies, which costs on every iteration)."""
-    return {f.name: (list(v) if isinstance(v := getattr(stats, f.name), list) else v) for f in fields(stats)}
+    out = {f.name: (list(v) if isinstance(v := getattr(stats, f.name), list) else v) for f in fields(stats)}
+    out["sources"] = {name: vars(s).copy() for name, s in stats.sources.items()}
+    return out
+
+
+def stats_from_dict(values: dict[str, Any]) -> GenerationStats:
+    """The stored form back (records written before per-source counts have none)."""
+    values = dict(values)
+    sources = {name: SourceStats(**s) for name, s in values.pop("sources", {}).items()}
+    return GenerationStats(**values, sources=sources)
 
 
 def new_session_id(request_id: str) -> str:
@@ -192,6 +214,8 @@ def new_run(
                   and request.tree_budget is None and adaptable(method, config)),
         chat=bool(request.messages),
         owner=owner,
+        draft_source=draft_source_for(request.draft_source, method, config),
+        seeded=request.seed is not None,
     )
     start = len(prompt_ids)
     return Run(settings, RunState(text_cursor=TextCursor(start, start, start)), new_session_id(request_id))
@@ -203,6 +227,17 @@ def adaptable(method: str, config: OrchestratorConfig) -> bool:
     spec = get_method(method)
     return (spec.drafting == "sequence" and spec.drafts_sequences
             and scheduling.tree_budget_for(method, None, None, config) is None)
+
+
+def draft_source_for(requested: str | None, method: str, config: OrchestratorConfig) -> str:
+    """The request's draft source (checked by request_checks), else the configured one where the method
+    has an exact rule for model-free drafts; RD's coins draft from the model (with no drafter, its
+    plans become target-only steps)."""
+    if requested is not None:
+        return requested
+    if not get_method(method).takes_deterministic_drafts:
+        return MODEL_SOURCE
+    return config.draft_source
 
 
 def stop_ids(request: GenerationRequest, target: ModelInfo) -> Sequence[int]:

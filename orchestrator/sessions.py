@@ -73,6 +73,9 @@ OnGone = Callable[[], Awaitable[None]]  # before a resend after SessionGone; rai
 class EngineWatch(Protocol):
     """What a run reports to, and asks of, the orchestrator about its engines (module docstring)."""
 
+    # Drafter calls running now, over every run (a verify sent meanwhile is not "drafter idle").
+    drafter_calls: int
+
     @property
     def target_vocab_size(self) -> int | None:
         """The verifier's vocabulary size: a drafter's answer must fit it."""
@@ -173,6 +176,7 @@ class RunSessions:
         self.drafter_session = run.session_id  # a new one after a call was abandoned (module docstring)
         self.retired_sessions: list[str] = []
         self.drafter_pending: asyncio.Task | None = None  # an abandoned pre-draft still in its call
+        self.drafter_calls = 0  # this run's drafter calls running now (counted here without a watch)
         spec = get_method(run.settings.method)
         self.strategy = spec.draft_strategy or "sample"  # target-only runs never draft
         self.want_rows = spec.needs_draft_rows
@@ -228,6 +232,12 @@ class RunSessions:
         except Exception as exc:
             log.debug("abandoned pre-draft ended with %s: %s", type(exc).__name__, exc)
 
+    def drafter_idle(self) -> bool:
+        """No drafter call runs now, of this run or another: a pass sent now may use the drafter's
+        cores (VerifyRequest.drafter_idle)."""
+        counter = self.watch if self.watch is not None else self
+        return counter.drafter_calls == 0
+
     def _drafter(self) -> DrafterClient:
         assert self.drafter is not None
         return self.drafter
@@ -239,7 +249,12 @@ class RunSessions:
 
         async def settled_call() -> T:
             await self.settle_drafter()
-            return await self.drafter_mirror.call(target, call, self._drafter_gone)
+            counter = self.watch if self.watch is not None else self
+            counter.drafter_calls += 1
+            try:
+                return await self.drafter_mirror.call(target, call, self._drafter_gone)
+            finally:
+                counter.drafter_calls -= 1
 
         try:
             result = await timeline.timed("draft", settled_call(), op)
@@ -310,10 +325,13 @@ class RunSessions:
     async def verify(
         self, committed: list[int], tree: DraftTree, *, method: str, params: MethodParams,
         draft_probs: torch.Tensor | None, timeline: Timeline, text: TextCursor | None = None,
+        deterministic: bool = False, drafter_idle: bool = False,
     ) -> VerifyOutcome:
         """One target pass over committed + tree and `method`'s rule; the verifier commits the tokens.
 
         `text`: the run's TextCursor, for the emitted tokens' text (orchestrator.output).
+        `deterministic`: a model-free draft; no draft rows go (VerifyRequest.deterministic).
+        `drafter_idle`: no drafter call runs beside this pass (VerifyRequest.drafter_idle).
         Lean (docs/algorithms.md §12): resent with the rows the verifier names until it decides.
         Every retry must add rows of the [n + 1, V] layout, so there are at most n + 1 of them.
         The outcome's forward and verification seconds are those of all rounds.
@@ -328,7 +346,7 @@ class RunSessions:
             request = VerifyRequest(
                 session_id=run.session_id, base_len=base, append=append, tree_tokens=list(tree.tokens),
                 tree_parents=list(tree.parents), method=method, params=params, sampling=run.settings.sampling,
-                text=text,
+                text=text, deterministic=deterministic, drafter_idle=drafter_idle,
             )
             if lean:
                 request.draft_token_probs = probs

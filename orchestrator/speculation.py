@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 from orchestrator import scheduling
 from orchestrator.accounting import CALIBRATION_FLUSH_ITERATIONS, account, flush_calibration
-from orchestrator.adaptation import PairEstimates
+from orchestrator.adaptation import PairEstimates, SourceEstimates
 from orchestrator.admission import RequestSlots
 from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import OrchestratorConfig
@@ -39,6 +39,7 @@ from specdec.engine.api import ModelInfo, TextCursor
 from specdec.errors import AlreadyExists, InvalidRequest, NotFound, StillRunning, StoreUnavailable
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult, IterationRecord
 from specdec.methods import get_method
+from specdec.model_free import SuffixCache
 from specdec.rpc.security import ANONYMOUS
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,12 @@ class Orchestrator:
         self.observer = observer
         self.admission = RequestSlots(config.max_active_requests, config.queue_timeout_s)
         self._estimates: dict[str, PairEstimates] = {}  # per model pair and method (adaptation.py)
+        # Model-free drafting (orchestrator.drafting): the cache of recent requests' tokens, per process
+        # (per replica), and what each model-free source has been worth.
+        self.suffix_cache = SuffixCache(max_requests=config.suffix_cache_requests,
+                                        max_tokens=config.suffix_cache_tokens,
+                                        max_depth=config.suffix_max_nodes)
+        self.source_estimates = SourceEstimates()
 
     # the engines, as the link sees them ----------------------------------------------------------
     @property
@@ -200,7 +207,7 @@ class Orchestrator:
     async def _new_run(self, request: GenerationRequest, owner: str) -> Run:
         target = self.target_info
         assert target is not None
-        method = check_request(request, self.config, target)
+        method = check_request(request, self.config, target, has_drafter=self.drafter is not None)
         prompt_ids = await self._prompt_ids(request)
         check_prompt(prompt_ids, target)
         rank_acceptance = await self._rank_acceptance(method)
@@ -290,7 +297,9 @@ class Orchestrator:
         sessions = RunSessions(run, self.drafter, self.verifier, draft_rows=self.config.draft_rows,
                                watch=self.link)
         method = run.settings.method
-        drafting = strategy_for(run, DraftingContext(self.config, lambda: self._pair_estimates(method)))
+        drafting = strategy_for(run, DraftingContext(
+            self.config, lambda: self._pair_estimates(method), has_drafter=self.drafter is not None,
+            suffix_cache=self.suffix_cache, source_estimates=self.source_estimates))
         error: BaseException | None = None
         if self.observer is not None:
             run.probe = _observe_start(run, self.observer)
@@ -322,6 +331,10 @@ class Orchestrator:
                 log.exception("could not record the failure of request %s", run.request_id)
             raise
         finally:
+            try:
+                drafting.close(run.committed)
+            except Exception:  # the suffix cache is an optimisation: never fail a request for it
+                log.exception("drafting strategy failed to close for request %s", run.request_id)
             await sessions.close()
             await flush_calibration(state.calibration, self.store, self.pair_key)
             if run.probe is not None:
@@ -350,7 +363,7 @@ class Orchestrator:
             raise RuntimeError("verifier emitted no token")
         emitted = await absorb(run, outcome, decode=self.verifier.decode, max_context=self.link.max_context())
         account(run, record, tree=draft.tree, outcome=outcome, emitted=emitted, started=started,
-                timeline=step.timeline)
+                timeline=step.timeline, source=draft.source)
         drafting.settle(step, draft, outcome)
         self._report(record, probe, draft.tree.max_depth)
 

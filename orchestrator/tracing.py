@@ -7,7 +7,9 @@ What is traced (span names, attributes in `specdec.*`):
                        "{gen_ai.operation.name} {gen_ai.request.model}": trace-report, the tests
                        and saved traces find requests by it.
   specdec.iteration    one per speculation iteration, child of the request: iteration index,
-                       method, drafted, k, heads, accepted, emitted, a, overlap_seconds, …
+                       method, source (where the draft came from: model, lookup, suffix; absent
+                       for a target-only step), drafted, k, heads, accepted, emitted, a,
+                       overlap_seconds, …
   specdec.draft        every drafter call of the iteration, with its real start/end
   specdec.verify       every verifier call (`specdec.call` = score | verify), real start/end
   gRPC client/server spans (opentelemetry-instrumentation-grpc) under the call spans, carrying
@@ -41,6 +43,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from orchestrator.probes import IterationProbe, LoopObserver, RequestProbe
+from specdec.defaults import MODEL_SOURCE
 
 if TYPE_CHECKING:
     from specdec.generation import GenerationResult, IterationRecord
@@ -561,6 +564,9 @@ class _IterationSpan:
             "specdec.request_id": record.request_id,
             "specdec.position": record.position,
             "specdec.method": record.method,
+            # where the draft came from; a drafted record without one is the draft model's (as the
+            # statistics count it); absent when nothing was drafted
+            "specdec.source": record.source or (MODEL_SOURCE if record.drafted else None),
             "specdec.a": record.a,
             "specdec.k": record.k,
             "specdec.heads": record.heads,

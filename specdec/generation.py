@@ -59,6 +59,29 @@ class GenerationRequest:
     # A chat instead of prompt / prompt_ids: rendered by the chat template, ending with the
     # assistant's turn (add_generation_prompt), into the prompt ids.
     messages: list[ChatMessage] | None = None
+    # Where drafts come from (orchestrator.drafting, DRAFT_SOURCES): "hybrid" (per iteration: a
+    # model-free draft when it pays, else the draft model, else a target-only step), "model",
+    # "lookup" (n-grams of the request's own tokens), "suffix" (a cache of recent requests too).
+    # None → the orchestrator's draft_source setting.
+    draft_source: str | None = None
+
+
+@dataclass
+class SourceStats:
+    """What one draft source drafted for a request, and how much of it was accepted."""
+
+    drafts: int = 0  # iterations that verified a draft from this source
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted tokens per draft (the mean accepted length)."""
+        return self.accepted_tokens / self.drafts if self.drafts else 0.0
 
 
 @dataclass
@@ -79,6 +102,7 @@ class GenerationStats:
     pre_drafts_dropped: int = 0  # pipelined blocks dropped: their assumed context did not come true
     pre_draft_bonus_hits: list[int] = field(default_factory=list)  # used pre-drafts by bonus-guess rank
     pre_draft_rejection_hits: list[int] = field(default_factory=list)  # … by replacement-guess rank
+    sources: dict[str, SourceStats] = field(default_factory=dict)  # by draft source (model, lookup, suffix)
 
     @property
     def tokens_per_second(self) -> float:
@@ -141,3 +165,4 @@ class IterationRecord:
     draft_intervals: list[tuple[float, float]] = field(default_factory=list)
     verify_intervals: list[tuple[float, float]] = field(default_factory=list)
     overlap_seconds: float = 0.0
+    source: str = ""  # where the draft came from: "model", "lookup", "suffix"; "" when nothing was drafted

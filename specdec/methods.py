@@ -34,6 +34,13 @@ Glossary (the words the records use):
                     so the draft length is not the orchestrator's to choose), "none" (target only).
   empty-draft rows  an iteration with no draft token still needs Q_1 (RD's no-draft step emits
                     from norm((P_1 − a·Q_1)+)); for the others an empty tree samples P_1 alone.
+  deterministic     a model-free draft (prompt lookup, suffix cache; orchestrator.drafting): each
+                    node's q is one-hot at its token, so no rows cross the wire and the method's
+                    `deterministic_rule` decides (docs/algorithms.md §15): ERSD's own rule; for
+                    token and block the draw-and-descend rule, their law under one-hot q, which
+                    accepts the most an exact rule can; gsd-tree's trees of distinct candidates
+                    go to draw-and-descend too (its one draft row per node cannot be one-hot at
+                    several children). RD has none (its coins are for a draft model; refused).
   lean rows         the draft rows may go to the verifier lean (docs/algorithms.md §12): each
                     node's q(x̃) alone, and a whole row only when the rule reaches it (the
                     verifier answers draft_rows_needed and the verify is resent with them).
@@ -66,6 +73,8 @@ DraftShape = Literal["sequence", "tree"]
 # The method a target-only step runs: race sampling keyed on (seed, position), so a seeded
 # autoregressive run and a seeded ERSD run emit the same tokens (docs/algorithms.md §4).
 TARGET_ONLY_VERIFICATION = "ersd"
+# The exact rule for a model-free tree or sequence under token, block and gsd-tree (glossary).
+DRAW_AND_DESCEND = "specdec.verification.deterministic:verify_deterministic"
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,7 @@ class Method:
     drafting: str = "none"  # the drafting strategy's name (glossary; orchestrator.drafting.STRATEGIES)
     empty_draft_needs_rows: bool = False
     lean_rows: bool = False  # its draft rows go lean by default: q per node, rows on demand (glossary)
+    deterministic_rule: str | None = None  # "module:function" deciding a model-free draft (glossary)
 
     @property
     def speculative(self) -> bool:
@@ -96,6 +106,21 @@ class Method:
         if self.rule is None:
             raise VerificationError(f"method {self.name!r} verifies no drafts")
         return _resolve(self.rule)
+
+    @property
+    def takes_deterministic_drafts(self) -> bool:
+        """Whether a model-free draft (one-hot q) has an exact rule under this method."""
+        return self.deterministic_rule is not None
+
+    @property
+    def verify_deterministic(self) -> VerifyFn:
+        """The rule for a model-free draft (imported on first use: it needs torch)."""
+        if self.deterministic_rule is None:
+            raise VerificationError(
+                f"method {self.name!r} has no exact rule for model-free (deterministic) drafts; use one of "
+                f"{', '.join(DETERMINISTIC_METHOD_NAMES)}"
+            )
+        return _resolve(self.deterministic_rule)
 
     @property
     def takes_a(self) -> bool:
@@ -157,6 +182,7 @@ METHODS: dict[str, Method] = {
             pipelinable=True,
             adaptive_length=True,
             lean_rows=True,
+            deterministic_rule=DRAW_AND_DESCEND,
         ),
         Method(
             name="block",
@@ -168,6 +194,7 @@ METHODS: dict[str, Method] = {
             draft_shapes=frozenset({"sequence"}),
             drafting="sequence",
             pipelinable=True,
+            deterministic_rule=DRAW_AND_DESCEND,
         ),
         Method(
             name="ersd",
@@ -179,6 +206,7 @@ METHODS: dict[str, Method] = {
             drafting="sequence",
             pipelinable=True,
             adaptive_length=True,
+            deterministic_rule="specdec.verification.ersd:verify_ersd",
         ),
         Method(
             name="gsd-tree",
@@ -190,6 +218,7 @@ METHODS: dict[str, Method] = {
             draft_shapes=frozenset({"tree"}),
             drafting="tree",
             lean_rows=True,
+            deterministic_rule=DRAW_AND_DESCEND,
         ),
         Method(
             name="rd",
@@ -215,6 +244,9 @@ METHODS: dict[str, Method] = {
 
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
 SPECULATIVE_METHOD_NAMES: tuple[str, ...] = tuple(name for name, m in METHODS.items() if m.speculative)
+DETERMINISTIC_METHOD_NAMES: tuple[str, ...] = tuple(
+    name for name, m in METHODS.items() if m.takes_deterministic_drafts
+)
 
 
 def check_drafting_probability(a: float) -> None:

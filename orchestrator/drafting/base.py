@@ -9,6 +9,7 @@ target's pass reads the draft, which is why any strategy keeps the output's law
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,6 +19,7 @@ import torch
 from orchestrator.run import Run, RunSettings
 from orchestrator.sessions import RunSessions
 from orchestrator.timeline import Timeline
+from specdec.defaults import MODEL_SOURCE
 from specdec.engine.api import VerifyOutcome
 from specdec.generation import IterationRecord
 from specdec.methods import TARGET_ONLY_VERIFICATION
@@ -59,6 +61,7 @@ class Plan:
     k: int  # the size asked for (IterationRecord.k): draft length, RD k_max or tree budget
     params: MethodParams
     needs_drafter: bool = True  # False: drafted without the draft model (no drafter call)
+    source: str = MODEL_SOURCE  # where the draft comes from (IterationRecord.source)
     pipelined: bool = False  # the next block is pre-drafted while this one is verified (lookahead)
     step_ahead: bool = False  # a target-only step while the drafter looks ahead (lookahead)
 
@@ -74,6 +77,8 @@ class Draft:
     plan: Plan | None = None  # None: a target-only step by plan, or one that replaced a lost draft
     target_only: bool = False
     fallback: bool = False  # target-only because the drafter was away or lost (IterationRecord.fallback)
+    source: str = MODEL_SOURCE  # where the draft came from (IterationRecord.source)
+    deterministic: bool = False  # model-free: q one-hot at every node, no rows (VerifyRequest.deterministic)
 
 
 class DraftingStrategy(Protocol):
@@ -95,6 +100,10 @@ class DraftingStrategy(Protocol):
         """React to the verifier's outcome, once the loop has absorbed and accounted it."""
         ...
 
+    def close(self, committed: list[int]) -> None:
+        """The run ended (or stopped) with `committed`: hand over what outlives it (the suffix cache)."""
+        ...
+
 
 class Drafting:
     """The defaults: verify the draft in one target pass, learn nothing from it."""
@@ -105,12 +114,23 @@ class Drafting:
     def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None:
         return None
 
+    def close(self, committed: list[int]) -> None:
+        return None
 
-async def verify_draft(step: Step, draft: Draft) -> VerifyOutcome:
-    """One target pass over committed + the draft tree with the draft's rule."""
+    def expected_rate(self) -> float:
+        """Expected tokens per second at the strategy's best choice (nan: it keeps no estimate)."""
+        return math.nan
+
+
+async def verify_draft(step: Step, draft: Draft, *, beside_drafter: bool = False) -> VerifyOutcome:
+    """One target pass over committed + the draft tree with the draft's rule. `beside_drafter`: the
+    strategy starts a drafter call beside it (a look-ahead), so the drafter is not idle even if no
+    call runs yet when the pass is sent."""
+    idle = not beside_drafter and step.sessions.drafter_idle()
     return await step.sessions.verify(step.committed, draft.tree, method=draft.method, params=draft.params,
                                       draft_probs=draft.rows, timeline=step.timeline,
-                                      text=step.run.state.text_cursor)
+                                      text=step.run.state.text_cursor, deterministic=draft.deterministic,
+                                      drafter_idle=idle)
 
 
 def target_only_draft(step: Step, *, plan: Plan | None = None, fallback: bool = False) -> Draft:

@@ -4,6 +4,7 @@ within a node budget (docs/algorithms.md §6 for the tree's shape, §8 for why a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from orchestrator.adaptation import STEADY_CATCH_UP, DraftLength, Observation, PairEstimates
@@ -50,6 +51,12 @@ class SequenceDrafts(Drafting):
         """The plan's draft: `ready` when a look-ahead pre-drafted it, else a fresh one."""
         step.record.k = plan.k
         return as_draft(step, plan, ready if ready is not None else await propose(step, plan))
+
+    def expected_rate(self) -> float:
+        """The online chooser's tokens per second at its best length (nan for a fixed k)."""
+        if self._chooser is None:
+            return math.nan
+        return self._chooser.tokens_per_second(self._chooser.best())
 
     def full_block(self, plan: Plan) -> bool:
         """Every sequence iteration drafts a full block: it can be pre-drafted (lookahead)."""

@@ -49,6 +49,8 @@ class Pipelinable(Protocol):
 
     def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None: ...
 
+    def expected_rate(self) -> float: ...
+
 
 @dataclass
 class PreDraft:
@@ -95,13 +97,17 @@ class LookAhead(Drafting):
         if plan is not None and (plan.pipelined or plan.step_ahead):
             asked = 0 if plan.step_ahead else len(plan.shape)  # a step beside a look-ahead drafted nothing
             next_k = self.next_block(step, draft.tree, asked)
-        return await self.verify_and_look_ahead(step, draft, verify_draft(step, draft), next_k=next_k)
+        verify = verify_draft(step, draft, beside_drafter=next_k > 0)
+        return await self.verify_and_look_ahead(step, draft, verify, next_k=next_k)
 
     def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None:
         looked_ahead = draft.plan is not None and draft.plan.step_ahead
         if step.run.finished or (draft.target_only and not looked_ahead):
             self.drop()  # the run ended, or a target-only step took the block's place
         self.inner.settle(step, draft, outcome)
+
+    def expected_rate(self) -> float:
+        return self.inner.expected_rate()
 
     # pre-drafts ----------------------------------------------------------------------------------
     def has_predraft(self, committed: list[int], k: int) -> bool:

@@ -2,14 +2,15 @@
 
 Standard fields (`max_tokens`, `temperature`, `top_p`, `n`, `stop`, `seed`, `stream`) keep the OpenAI
 meaning. Extra body fields, as vLLM takes them (`extra_body=` in the `openai` package): `top_k`,
-`ignore_eos`, and the speculative knobs `method`, `k`, `a`, `pipeline`. Fields that would change the
-distribution the output is drawn from (penalties, logit_bias) or need what the service does not
-compute (logprobs, echo, tools) are refused with a 400 naming the field, never silently ignored;
-unknown fields are ignored, as OpenAI-compatible servers do.
+`ignore_eos`, and the speculative knobs `method`, `k`, `a`, `pipeline`, `draft_source`. Fields that
+would change the distribution the output is drawn from (penalties, logit_bias) or need what the
+service does not compute (logprobs, echo, tools) are refused with a 400 naming the field, never
+silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
 
 Types are strict where vLLM and OpenAI are: an integer field takes a JSON integer (or a number
 without a fraction), never a string or a boolean; a number field takes a finite JSON number; a
-boolean field takes true or false. pydantic's lax mode would read `"10"` as 10 and `true` as 1.
+boolean field takes true or false; `draft_source` one of DRAFT_SOURCES' names. pydantic's lax mode
+would read `"10"` as 10 and `true` as 1.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Field, Strict
 from pydantic_core import PydanticCustomError
 
+from specdec.defaults import DRAFT_SOURCES
 from specdec.errors import InvalidRequest
 from specdec.generation import CHAT_ROLES, ChatMessage, GenerationRequest
 from specdec.sampling import SamplingParams
@@ -59,9 +61,23 @@ def _json_number(value: Any) -> Any:
     return value
 
 
+def _draft_source(value: Any) -> Any:
+    """A name among DRAFT_SOURCES (null: the orchestrator's setting); anything else names the field."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PydanticCustomError("string_type", "must be a string, got {kind}", {"kind": json_kind(value)})
+    if value not in DRAFT_SOURCES:
+        got = repr(value if len(value) <= 40 else value[:40] + "…")  # a body's string, echoed short
+        raise PydanticCustomError("draft_source", "must be one of {choices}, got {got}",
+                                  {"choices": ", ".join(DRAFT_SOURCES), "got": got})
+    return value
+
+
 JsonInt = Annotated[int, BeforeValidator(_json_integer)]
 JsonFloat = Annotated[float, BeforeValidator(_json_number), AllowInfNan(False)]
 JsonBool = Annotated[bool, Strict()]
+DraftSource = Annotated[str | None, BeforeValidator(_draft_source)]
 
 
 class StreamOptions(BaseModel):
@@ -87,13 +103,14 @@ class _Common(BaseModel):
     frequency_penalty: JsonFloat | None = None
     logit_bias: dict[str, JsonFloat] | None = None
     # extra body fields (vLLM's convention for what OpenAI has no field for); None (or an empty
-    # method) leaves method, k, a and pipeline to the orchestrator's settings
+    # method) leaves method, k, a, pipeline and draft_source to the orchestrator's settings
     top_k: JsonInt | None = Field(None, ge=-1, le=MAX_TOP_K)
     ignore_eos: JsonBool = False
     method: str | None = None
     k: JsonInt | None = Field(None, ge=0)
     a: JsonFloat | None = None
     pipeline: JsonBool | None = None
+    draft_source: DraftSource = None
 
     def refuse_unsupported(self) -> None:
         """A 400 for a field that would change what is sampled, or asks for what is not computed."""
@@ -116,7 +133,8 @@ class _Common(BaseModel):
                 top_k=max(self.top_k or 0, 0),  # vLLM's -1 means off, as 0 does here
                 top_p=1.0 if self.top_p is None else self.top_p),
             stop=stop, stop_token_ids=[] if self.ignore_eos else None, seed=self.seed,
-            method=self.method or None, k=self.k, a=self.a, pipeline=self.pipeline)
+            method=self.method or None, k=self.k, a=self.a, pipeline=self.pipeline,
+            draft_source=self.draft_source)
 
 
 class CompletionRequest(_Common):

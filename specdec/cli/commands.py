@@ -22,7 +22,7 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
     "Models and placement": (
         "--model", "--draft", "--target", "--device", "--drafter-device", "--verifier-device", "--dtype",
         "--threads", "--drafter-threads", "--verifier-threads", "--cores", "--drafter-cores",
-        "--verifier-cores", "--no-pin"),
+        "--verifier-cores", "--no-pin", "--threads-beside-drafter", "--verifier-shares-cores"),
     "Prompt and output": ("--prompt", "--prompt-ids", "--chat", "--system", "--json", "--stream",
                           "--num-samples"),
     "Sampling": ("--temperature", "--top-k", "--top-p", "--seed", "--max-new-tokens", "--stop",
@@ -30,7 +30,7 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
     "Speculation": (
         "--method", "--k", "--tree-budget", "--a", "--pipeline", "--pipeline-max-k", "--bonus-guesses",
         "--rejection-guesses", "--default-method", "--default-k", "--default-a", "--draft-rows",
-        "--adaptive-k"),
+        "--adaptive-k", "--draft-source"),
     "Network": ("--address", "--host", "--port", "--drafter-port", "--verifier-port", "--drafter",
                 "--verifier", "--max-message-mb", "--timeout", "--peer-timeout"),
     "HTTP API (OpenAI-compatible)": ("--http-port", "--no-http", "--served-model-name", "--chat-template"),

@@ -44,10 +44,12 @@ from specdec.cli.processes import DEFAULT_ORCHESTRATOR_ADDRESS
 from specdec.defaults import (
     AUTO_PRECISION,
     DEFAULT_A,
+    DEFAULT_DRAFT_SOURCE,
     DEFAULT_K,
     DEFAULT_METHOD,
     DEFAULT_PIPELINE,
     DEFAULT_TREE_BUDGET,
+    DRAFT_SOURCES,
 )
 from specdec.methods import METHOD_NAMES
 
@@ -106,7 +108,7 @@ def build_request(*, prompt: str | None, prompt_ids: list[int] | None, max_new_t
                   seed: int | None, method: str | None, k: int | None, tree_budget: int | None,
                   a: float | None, pipeline: bool | None, pipeline_max_k: int | None,
                   bonus_guesses: int | None, rejection_guesses: int | None, chat: bool = False,
-                  system: str | None = None) -> GenerationRequest:
+                  system: str | None = None, draft_source: str | None = None) -> GenerationRequest:
     """The request that `generate`'s options describe (one per run; samples vary only its seed).
 
     None leaves a setting to the orchestrator; --ignore-eos is an empty stop_token_ids list; --chat
@@ -125,7 +127,8 @@ def build_request(*, prompt: str | None, prompt_ids: list[int] | None, max_new_t
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         stop=list(stop or []), stop_token_ids=[] if ignore_eos else None, seed=seed, method=method, k=k,
         tree_budget=tree_budget, a=a, pipeline=pipeline, pipeline_max_k=pipeline_max_k,
-        pipeline_bonus_guesses=bonus_guesses, pipeline_rejection_guesses=rejection_guesses)
+        pipeline_bonus_guesses=bonus_guesses, pipeline_rejection_guesses=rejection_guesses,
+        draft_source=draft_source)
 
 
 def sample_request(request: GenerationRequest, sample: int) -> GenerationRequest:
@@ -169,6 +172,12 @@ def generate(
         f"Default: the orchestrator's (its --default-k; {DEFAULT_K} unless set or calibrated, picked online "
         f"for requests without --seed under its --adaptive-k; {DEFAULT_TREE_BUDGET} nodes for gsd-tree).",
         show_default=False)] = None,
+    draft_source: Annotated[str | None, typer.Option(
+        "--draft-source", callback=one_of(DRAFT_SOURCES),
+        help=f"Where drafts come from: {' | '.join(DRAFT_SOURCES)} (hybrid: per iteration a model-free "
+        "draft from the request's own n-grams or recent requests when it pays, else the draft model, else "
+        "a target-only step; the others: that source alone). Default: the orchestrator's (its "
+        f"$SPECDEC_DRAFT_SOURCE; {DEFAULT_DRAFT_SOURCE} unless set).", show_default=False)] = None,
     tree_budget: Annotated[int | None, typer.Option(
         "--tree-budget", help="Draft-tree node budget (gsd-tree; ersd drafts a tree when given). "
         "Default: the orchestrator's.", show_default=False)] = None,
@@ -254,7 +263,8 @@ def generate(
             prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, stop=stop, ignore_eos=ignore_eos, seed=seed, method=method, k=k,
             tree_budget=tree_budget, a=a, pipeline=pipeline, pipeline_max_k=pipeline_max_k,
-            bonus_guesses=bonus_guesses, rejection_guesses=rejection_guesses, chat=chat, system=system)
+            bonus_guesses=bonus_guesses, rejection_guesses=rejection_guesses, chat=chat, system=system,
+            draft_source=draft_source)
     except ValueError as exc:  # SamplingParamsError: the line the orchestrator would answer with
         err.print(f"[bold red]error:[/] {escape(describe_error(exc))}")
         code = 1
@@ -351,6 +361,9 @@ def result_json(result, sample: int) -> dict[str, Any]:
     stats = asdict(result.stats)
     stats["tokens_per_second"] = result.stats.tokens_per_second
     stats["acceptance_rate"] = result.stats.acceptance_rate
+    for name, source in result.stats.sources.items():  # by draft source: the rate and tokens per draft
+        stats["sources"][name].update(acceptance_rate=source.acceptance_rate,
+                                      mean_accepted=source.mean_accepted)
     return {"type": "result", "sample": sample, "request_id": result.request_id,
             "token_ids": list(result.token_ids), "text": result.text, "finish_reason": result.finish_reason,
             "seed": result.seed, "method": result.method, "stats": stats}
@@ -362,12 +375,23 @@ def _stats_line(result) -> str:
             f"{result.method} · {s.iterations} iterations")
     if s.drafted_tokens:
         line += f" · accepted {s.accepted_tokens}/{s.drafted_tokens} ({100 * s.acceptance_rate:.0f}%)"
+    line += _sources_part(s.sources)
     looked_ahead = s.pre_drafts_used + s.pre_drafts_dropped
     if looked_ahead:
         line += f" · pre-drafts used {s.pre_drafts_used}/{looked_ahead}"
     if s.fallback_iterations:
         line += f" · {s.fallback_iterations} target-only (drafter down)"
     return line + f" · finish {result.finish_reason} · seed {result.seed}"
+
+
+def _sources_part(sources) -> str:
+    """Acceptance by draft source, most drafted tokens first: accepted / drafted tokens, the rate and the
+    mean accepted length (tokens per draft), e.g. " · lookup 40/44 (91%, 5.0/draft) · model 10/20 (50%,
+    2.5/draft)". "" when no source drafted (a target-only run, an orchestrator without sources)."""
+    drafted = sorted(((name, src) for name, src in sources.items() if src.drafts),
+                     key=lambda item: (-item[1].drafted_tokens, item[0]))
+    return "".join(f" · {name} {src.accepted_tokens}/{src.drafted_tokens} ({100 * src.acceptance_rate:.0f}%, "
+                   f"{src.mean_accepted:.1f}/draft)" for name, src in drafted)
 
 
 async def _stream_one(client, request, sample: int, as_json: bool):

@@ -85,6 +85,7 @@ from specdec.cli.options import (
     check_port_free,
     client_security,
     connect_address,
+    one_of,
     parse_cores,
     server_security,
 )
@@ -95,10 +96,43 @@ from specdec.cli.processes import (
     DEFAULT_VERIFIER_PORT,
     ProcessError,
 )
-from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
+from specdec.defaults import (
+    AUTO_PRECISION,
+    DEFAULT_DRAFT_MODEL,
+    DEFAULT_DRAFT_SOURCE,
+    DEFAULT_MAX_MESSAGE_MB,
+    DEFAULT_TARGET_MODEL,
+    DRAFT_SOURCES,
+)
 from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
 
 MIB = 1024 * 1024
+# `serve orchestrator --drafter none` (and `up --drafter none`): no drafter at all, no draft model.
+NO_DRAFTER = "none"
+# The one draft source that needs the draft model: refused without a drafter.
+MODEL_SOURCE = "model"
+# What each source drafts from when there is no drafter (said on start).
+WITHOUT_DRAFTER = {
+    "hybrid": "model-free drafts (the request's own n-grams, a cache of recent requests) where they pay, "
+              "else target-only steps",
+    "lookup": "the request's own n-grams, else target-only steps",
+    "suffix": "the request and a cache of recent requests, else target-only steps",
+}
+# The orchestrator's default draft source: one declaration for `serve orchestrator` and `up`.
+DraftSourceOpt = Annotated[str | None, typer.Option(
+    "--draft-source", callback=one_of(DRAFT_SOURCES), rich_help_panel="Speculation", help=(
+        f"Where the drafts of requests that name no draft_source come from: {' | '.join(DRAFT_SOURCES)}. "
+        "hybrid: per iteration a model-free draft (n-grams of the request's own prompt and output, or a "
+        "cache of recent requests of this orchestrator process) where it pays, else the draft model, else "
+        "a target-only step; model: the draft model only; lookup: the request's own n-grams only; suffix: "
+        "the request and the recent-requests cache only. Every source is verified exactly: the output's "
+        "law is the target's. Without a drafter (--drafter none) model is refused. Default: "
+        f"$SPECDEC_DRAFT_SOURCE, else {DEFAULT_DRAFT_SOURCE}."), show_default=False)]
+
+
+def is_no_drafter(value: str | None) -> bool:
+    """Whether a --drafter / --draft value means "no drafter" (`none`, any case)."""
+    return value is not None and value.strip().lower() == NO_DRAFTER
 
 serve_app = typer.Typer(cls=SpecdecGroup, no_args_is_help=True,
                         help="Run one service in the foreground (`specdec up` starts all three for you).")
@@ -154,13 +188,16 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
                  session_ttl: float, ready_file: Path | None, log_level: str,
                  observability: ObservabilityOptions, batching: Any = None,
                  kv_cache_mb: float = DEFAULT_KV_CACHE_MB,
-                 admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S, security: Any = None) -> None:
+                 admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S, security: Any = None,
+                 threads_beside_drafter: int | None = None) -> None:
     """Load the model, build the engine and serve it (role: drafter | verifier) until a signal.
 
     security: the port's TLS / mTLS / token (specdec.rpc.security.ServerSecurity, checked by the
     caller before this loads anything); None = plaintext and open."""
     setup_logging(log_level)
     core_list = parse_cores(cores, "--cores")
+    if threads_beside_drafter is not None and role != "verifier":
+        raise fail("--threads-beside-drafter is a verifier option (its passes beside the drafter's)", 2)
     check_port_free(host, port, "--port")
     try:
         if core_list is not None:
@@ -177,7 +214,16 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
         max_kv_tokens = kv_budget_tokens(kv_cache_mb, loaded.model)
         sessions = SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl,
                                  max_kv_tokens=max_kv_tokens, admission_timeout_s=admission_timeout)
-        engine = engine_class(loaded, sessions, batching=batching)
+        if threads_beside_drafter is not None:
+            import torch
+
+            from specdec.runtime.batching import ThreadWidths
+
+            wide = threads or torch.get_num_threads()
+            widths = ThreadWidths(wide=wide, beside_drafter=min(threads_beside_drafter, wide))
+            engine = engine_class(loaded, sessions, batching=batching, threads=widths)
+        else:
+            engine = engine_class(loaded, sessions, batching=batching)
         obs = observability.setup(role)
         obs.watch_engine(engine)
     except CliError as exc:
@@ -240,6 +286,12 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         tls_client_ca: TlsClientCaOpt = None,
         tls_require_client_cert: TlsRequireClientCertOpt = False,
         auth_token_file: EngineAuthTokenFileOpt = None,
+        threads_beside_drafter: Annotated[int | None, typer.Option(
+            "--threads-beside-drafter", min=1, rich_help_panel="Models and placement",
+            help="Verifier only: torch threads of a pass while a drafter call runs beside it; the other "
+                 "passes (the orchestrator says the drafter is idle) use all --threads. For a verifier "
+                 "pinned to the drafter's cores too (`specdec up` does this). Default: always --threads.",
+            show_default=False)] = None,
     ) -> None:
         from specdec.runtime.batch_config import BatchConfig
 
@@ -252,7 +304,8 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
                      cores=cores, max_message_mb=max_message_mb, max_sessions=max_sessions,
                      session_ttl=session_ttl, ready_file=ready_file, log_level=log_level,
                      observability=observability, batching=batch, kv_cache_mb=kv_cache_mb,
-                     admission_timeout=admission_timeout, security=security)
+                     admission_timeout=admission_timeout, security=security,
+                     threads_beside_drafter=threads_beside_drafter)
 
     command.__name__ = command.__qualname__ = f"serve_{role}"
     command.__doc__ = summary
@@ -311,7 +364,9 @@ def serve_orchestrator(
     drafter: Annotated[str, typer.Option("--drafter", help=(
         "Address of the drafter service, host:port. A DNS name that resolves to several addresses (a "
         "Kubernetes headless Service) means several replicas: each request's sessions stay on one, "
-        "re-resolved every 5 s."))] =
+        "re-resolved every 5 s. none: no drafter at all (no draft model anywhere): requests draft "
+        "model-free (--draft-source hybrid, lookup or suffix) or take target-only steps; --draft-source "
+        "model is then a usage error."))] =
         f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}",
     verifier: Annotated[str, typer.Option("--verifier", help=(
         "Address of the verifier service, host:port (several replicas behind a DNS name as for "
@@ -323,6 +378,7 @@ def serve_orchestrator(
     default_method: DefaultMethodOpt = None,
     default_k: DefaultKOpt = None,
     default_a: DefaultAOpt = None,
+    draft_source: DraftSourceOpt = None,
     store_url: Annotated[str | None, typer.Option(
         "--store-url", help="redis://host:port/db keeps requests and calibration in Redis. "
         "Default: $SPECDEC_STORE_URL, else in memory.", show_default=False)] = None,
@@ -359,7 +415,8 @@ def serve_orchestrator(
 
     The model pair is checked at startup: if the drafter's vocabulary size or tokenizer differs
     from the verifier's, the orchestrator refuses to start (exit code 1, the reason on stderr).
-    An unreachable drafter is no error: requests run target-only until it answers.
+    An unreachable drafter is no error: requests run target-only until it answers. With
+    --drafter none there is no drafter: drafts are model-free (--draft-source) or none.
     """
     setup_logging(log_level)
     # Transport security (docs/security.md), checked before anything starts; exits on a bad flag.
@@ -372,6 +429,15 @@ def serve_orchestrator(
         config = orchestrator_config(default_method, default_k, default_a, store_url, draft_rows, adaptive_k,
                                      max_active_requests, queue_timeout, request_ttl, max_prompt_bytes,
                                      read_chat_template(chat_template))
+        if draft_source is not None:  # checked by the option; the command line wins over the variable
+            config = config.model_copy(update={"draft_source": draft_source})
+    except CliError as exc:
+        raise fail(str(exc)) from None
+    no_drafter = is_no_drafter(drafter)
+    if no_drafter and config.draft_source == MODEL_SOURCE:
+        raise fail("--drafter none with draft source model (--draft-source or $SPECDEC_DRAFT_SOURCE): that "
+                   "source needs a drafter; choose hybrid, lookup or suffix, or give --drafter an address", 2)
+    try:
         check_port_free(host, port, "--port")
         if http_port:
             check_port_free(host, http_port, "--http-port")
@@ -393,9 +459,9 @@ def serve_orchestrator(
                           "security": engine_security}
         # A DNS name (e.g. a headless Service) may stand for several replicas: each request's sessions
         # stay on one of them (orchestrator.clients.replicas); an IP address is one server.
-        orchestrator = Orchestrator(engine_client("drafter", drafter, **client_options),
-                                    engine_client("verifier", verifier, **client_options), config,
-                                    observer=obs.loop_observer)
+        draft_client = None if no_drafter else engine_client("drafter", drafter, **client_options)
+        orchestrator = Orchestrator(draft_client, engine_client("verifier", verifier, **client_options),
+                                    config, observer=obs.loop_observer)
         obs.watch_orchestrator(orchestrator)  # request slots on /metrics (read at scrape time)
         try:
             # Listen at once: health says NOT_SERVING, and requests get UNAVAILABLE "verifier not
@@ -429,11 +495,16 @@ def serve_orchestrator(
                 if http is not None:
                     await http.stop(0.5)
                 raise
-            draft_id = orchestrator.draft_info.model_id if orchestrator.draft_info else "(drafter down)"
+            draft_id = (orchestrator.draft_info.model_id if orchestrator.draft_info
+                        else "(no drafter)" if no_drafter else "(drafter down)")
             target_id = orchestrator.target_info.model_id
             info = (orchestrator.draft_info, orchestrator.target_info)
-            defaults = describe_defaults(orchestrator.config, *info)
+            defaults = describe_defaults(orchestrator.config, *info, has_drafter=not no_drafter)
             err.print(f"orchestrator {escape(defaults)}")
+            if no_drafter:
+                source = orchestrator.config.draft_source
+                err.print(f"orchestrator without a drafter (--drafter none): draft source {source}: "
+                          f"{WITHOUT_DRAFTER.get(source, 'target-only steps')}")
             obs.set_model(served_model_name or target_id)  # the metrics' model label, the spans' model
             http_info = {} if http is None else {"http_url": http_url(host, http.port, front.tls)}
             if http is not None:
@@ -443,7 +514,9 @@ def serve_orchestrator(
                 await _announce_and_serve(server, bound, role="orchestrator", host=host,
                                           ready_file=ready_file, obs=obs,
                                           serving=f"{escape(draft_id)} → {escape(target_id)}",
-                                          drafter=drafter, verifier=verifier, defaults=defaults, **http_info)
+                                          drafter=None if no_drafter else drafter, verifier=verifier,
+                                          draft_source=orchestrator.config.draft_source, defaults=defaults,
+                                          **http_info)
             finally:
                 if http is not None:
                     await http.stop()

@@ -53,6 +53,7 @@ from specdec.cli.options import (
     check_device,
     check_port_free,
     client_security,
+    one_of,
     parse_cores,
     precision_line,
     server_security,
@@ -66,13 +67,34 @@ from specdec.cli.processes import (
     DEFAULT_VERIFIER_PORT,
     ProcessError,
 )
-from specdec.defaults import AUTO_PRECISION, DEFAULT_DRAFT_MODEL, DEFAULT_MAX_MESSAGE_MB, DEFAULT_TARGET_MODEL
+from specdec.cli.serve import MODEL_SOURCE, NO_DRAFTER, WITHOUT_DRAFTER, DraftSourceOpt, is_no_drafter
+from specdec.defaults import (
+    AUTO_PRECISION,
+    DEFAULT_DRAFT_MODEL,
+    DEFAULT_DRAFT_SOURCE,
+    DEFAULT_MAX_MESSAGE_MB,
+    DEFAULT_TARGET_MODEL,
+    DRAFT_SOURCES,
+)
 from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
+
+LOCAL_DRAFTER = "local"
+DRAFT_SOURCE_ENV = "SPECDEC_DRAFT_SOURCE"  # the orchestrator's own variable (OrchestratorConfig.draft_source)
 
 
 def up(
-    draft: Annotated[str, typer.Option("--draft", help="Draft model: registry name or path.")] =
+    draft: Annotated[str, typer.Option("--draft", help=(
+        "Draft model: registry name or path; none: no draft model (the same as --drafter none)."))] =
         DEFAULT_DRAFT_MODEL,
+    drafter: Annotated[str, typer.Option(
+        "--drafter", callback=one_of((LOCAL_DRAFTER, NO_DRAFTER)), rich_help_panel="Models and placement",
+        help=("local: start a drafter process serving --draft. none: no draft model is loaded and no drafter "
+              "process starts; the verifier gets every core that drafter and verifier would have shared "
+              "(--verifier-cores defaults to all available cores, --verifier-threads to their number), and "
+              "the orchestrator drafts model-free (--draft-source hybrid, lookup or suffix) or takes "
+              "target-only steps. With none, --draft-source model, a --draft model, --drafter-cores, "
+              "--drafter-threads and --drafter-device are usage errors; --drafter-port and "
+              "--drafter-restarts are unused."))] = LOCAL_DRAFTER,
     target: Annotated[str, typer.Option("--target", help="Target model: registry name or path.")] =
         DEFAULT_TARGET_MODEL,
     host: Annotated[str, typer.Option("--host", help="Interface all three services listen on.")] =
@@ -87,10 +109,16 @@ def up(
         "--drafter-cores", help="Cores of the drafter, e.g. 0 or 0-1. Default: the first quarter of the "
         "available cores (at least one).", show_default=False)] = None,
     verifier_cores: Annotated[str | None, typer.Option(
-        "--verifier-cores", help="Cores of the verifier. Default: the other available cores.",
+        "--verifier-cores", help="Cores of the verifier. Default: the other available cores (all of "
+        "them with --drafter none).",
         show_default=False)] = None,
     no_pin: Annotated[bool, typer.Option("--no-pin", help="Do not pin drafter and verifier to cores.")] =
         False,
+    verifier_shares_cores: Annotated[bool, typer.Option(
+        "--verifier-shares-cores/--verifier-own-cores", help="CPU, pinned: the verifier is pinned to the "
+        "drafter's cores too and runs a pass on all of them whenever no drafter call runs beside it "
+        "(target-only steps, model-free drafts), on its own cores otherwise (serve "
+        "--threads-beside-drafter). --verifier-own-cores keeps it on its own cores always.")] = True,
     drafter_device: Annotated[str, typer.Option(
         "--drafter-device", callback=check_device, help="torch device of the draft model: cpu, cuda, cuda:N "
         "or mps.")] = "cpu",
@@ -114,6 +142,7 @@ def up(
     default_method: DefaultMethodOpt = None,
     default_k: DefaultKOpt = None,
     default_a: DefaultAOpt = None,
+    draft_source: DraftSourceOpt = None,
     store_url: Annotated[str | None, typer.Option(
         "--store-url", help="redis://host:port/db for the orchestrator's store. Default: in memory.",
         show_default=False)] = None,
@@ -138,7 +167,8 @@ def up(
         "orchestrator generates target-only); 0 = a dead drafter stops everything.")] = 3,
     ready_file: Annotated[Path | None, typer.Option(
         "--ready-file", help="Once all three are healthy, write JSON {orchestrator, drafter, verifier, pids, "
-        "log_dir, pid} to this file; it is removed on shutdown.", show_default=False)] = None,
+        "log_dir, pid} to this file (drafter null with --drafter none); it is removed on shutdown.",
+        show_default=False)] = None,
     log_dir: Annotated[Path | None, typer.Option(
         "--log-dir", help="Folder for the services' logs. Default: a new temporary folder.",
         show_default=False)] = None,
@@ -172,33 +202,57 @@ def up(
     (up to --drafter-restarts times); if the verifier or the orchestrator dies, the others are
     stopped and the exit code is 1.
 
+    --drafter none (or --draft none) starts no drafter and loads no draft model: the verifier gets
+    all the cores, and the orchestrator drafts model-free (--draft-source hybrid, lookup or suffix)
+    or takes target-only steps.
+
     The --tls-* options apply to all three services (docs/security.md); --auth-token-file guards
     the orchestrator. The drafter and the verifier always get a fresh random token that only the
     orchestrator knows, so no client can call them directly.
     """
+    # Usage errors first (exit 2), then what is missing here (models), then the ports: a bad
+    # option is reported as such even while another `up` holds the default ports.
+    no_drafter = drafter == NO_DRAFTER or is_no_drafter(draft)
+    _check_drafter_options(no_drafter, draft=draft, draft_source=draft_source, drafter_cores=drafter_cores,
+                           drafter_threads=drafter_threads, drafter_device=drafter_device)
     tls_args, orchestrator_args, probe = _security_args(
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
         tls_require_client_cert=tls_require_client_cert, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
         tls_client_key=tls_client_key, tls_server_name=tls_server_name, auth_token_file=auth_token_file)
-    # Usage errors first (exit 2), then what is missing here (models), then the ports: a bad
-    # option is reported as such even while another `up` holds the default ports.
     d_cores = v_cores = None
-    if not no_pin:
+    if no_drafter:  # the verifier gets every core (and as many threads) that the two would have shared
+        if not no_pin:
+            v_cores = parse_cores(verifier_cores, "--verifier-cores") or processes.available_cores()
+        if verifier_threads is None:
+            verifier_threads = len(v_cores or processes.available_cores())
+    elif not no_pin:
         d_default, v_default = processes.default_core_split()
         d_cores = parse_cores(drafter_cores, "--drafter-cores") or d_default
         v_cores = parse_cores(verifier_cores, "--verifier-cores") or v_default
+    beside_drafter = None  # the verifier's threads while a drafter call runs beside its pass
+    if (verifier_shares_cores and not no_drafter and d_cores is not None and v_cores is not None
+            and drafter_device == verifier_device == "cpu"):
+        beside_drafter = verifier_threads or len(v_cores)
+        v_cores = sorted(set(v_cores) | set(d_cores))
+        verifier_threads = len(v_cores)
     try:
-        draft_path = resolve_model(draft, "draft")
+        draft_path = None if no_drafter else resolve_model(draft, "draft")
         target_path = resolve_model(target, "target")
     except CliError as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
         raise fail("interrupted", 130) from None
-    ports = [("--port", port), ("--drafter-port", drafter_port), ("--verifier-port", verifier_port)]
+    ports = [("--port", port), ("--verifier-port", verifier_port)]
+    if not no_drafter:
+        ports.insert(1, ("--drafter-port", drafter_port))
     for option, value in ports + ([] if no_http else [("--http-port", http_port)]):
         check_port_free(host, value, option)
 
-    err.print(precision_line(dtype, drafter=drafter_device, verifier=verifier_device))
+    if no_drafter:
+        err.print(precision_line(dtype, verifier=verifier_device))
+        err.print(_no_drafter_line(v_cores, verifier_threads, draft_source))
+    else:
+        err.print(precision_line(dtype, drafter=drafter_device, verifier=verifier_device))
     _warn_if_exposed(host, tls=tls_cert is not None, client_token=auth_token_file is not None,
                      client_certs=tls_require_client_cert)
     observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
@@ -211,9 +265,10 @@ def up(
               "--batch-window-ms", str(batch_window_ms), "--kv-cache-mb", str(kv_cache_mb),
               "--admission-timeout", str(admission_timeout)]
 
-    def engine_child(role: str, model: Path, role_port: int, device: str, cores, threads) -> processes.Child:
+    def engine_child(role: str, model: Path, role_port: int, device: str, cores, threads,
+                     extra: tuple[str, ...] = ()) -> processes.Child:
         args = [role, "--model", str(model), "--port", str(role_port), "--device", device, *common,
-                *tls_args, "--auth-token-file", str(engine_token)]
+                *tls_args, "--auth-token-file", str(engine_token), *extra]
         if cores is not None:
             args += ["--cores", processes.format_cores(cores)]
         if threads is not None:
@@ -223,19 +278,28 @@ def up(
 
     exit_code = 0
     try:
-        drafter = engine_child("drafter", draft_path, drafter_port, drafter_device, d_cores, drafter_threads)
+        engines = []
+        if draft_path is not None:
+            engines.append(engine_child("drafter", draft_path, drafter_port, drafter_device, d_cores,
+                                        drafter_threads))
+        sharing = () if beside_drafter is None else ("--threads-beside-drafter", str(beside_drafter))
         verifier = engine_child("verifier", target_path, verifier_port, verifier_device, v_cores,
-                                verifier_threads)
-        with err.status("starting drafter and verifier (loading the models) …") as status:
-            for child in (drafter, verifier):
+                                verifier_threads, sharing)
+        engines.append(verifier)
+        loading = "the verifier (loading the target model)" if no_drafter else \
+            "drafter and verifier (loading the models)"
+        with err.status(f"starting {loading} …") as status:
+            for child in engines:
                 processes.wait_ready(child, startup_timeout, abort=supervisor.stop_requested, security=probe)
                 err.print(f"[green]✓[/] {child.name} healthy on {child.address}")
             status.update("starting the orchestrator …")
-            args = ["orchestrator", "--drafter", drafter.address, "--verifier", verifier.address,
+            drafter_address = NO_DRAFTER if no_drafter else engines[0].address
+            args = ["orchestrator", "--drafter", drafter_address, "--verifier", verifier.address,
                     "--host", host, "--port", str(port), "--max-message-mb", str(max_message_mb),
                     *tls_args, *orchestrator_args, "--engine-token-file", str(engine_token)]
             for flag, value in (("--default-method", default_method), ("--default-k", default_k),
-                                ("--default-a", default_a), ("--store-url", store_url),
+                                ("--default-a", default_a), ("--draft-source", draft_source),
+                                ("--store-url", store_url),
                                 ("--draft-rows", draft_rows),
                                 ("--max-active-requests", max_active_requests),
                                 ("--queue-timeout", queue_timeout), ("--request-ttl", request_ttl),
@@ -258,7 +322,8 @@ def up(
         _print_pipeline(supervisor, {"drafter": draft, "verifier": target}, metrics, trace_file, flags)
         if ready_file is not None:
             processes.write_ready_file(ready_file, {
-                "orchestrator": orch.address, "drafter": drafter.address, "verifier": verifier.address,
+                "orchestrator": orch.address, "drafter": None if no_drafter else engines[0].address,
+                "verifier": verifier.address, "draft_source": orch.info.get("draft_source"),
                 "log_dir": str(supervisor.log_dir), "pids": {c.name: c.pid for c in supervisor.children},
                 "pid": os.getpid(), "metrics": metrics, "http": orch.info.get("http_url"),
             })
@@ -284,6 +349,46 @@ def up(
     if exit_code == 0:
         err.print("all services stopped")
     raise typer.Exit(exit_code)
+
+
+def _check_drafter_options(no_drafter: bool, *, draft: str, draft_source: str | None,
+                           drafter_cores: str | None, drafter_threads: int | None,
+                           drafter_device: str) -> None:
+    """Usage errors (exit 2) of --drafter none: a draft source that needs the draft model (the option,
+    else $SPECDEC_DRAFT_SOURCE, which the orchestrator reads too), and options that set up the drafter
+    it does not start."""
+    from_env = os.environ.get(DRAFT_SOURCE_ENV)
+    if draft_source is None and from_env is not None and from_env not in DRAFT_SOURCES:
+        raise fail(f"${DRAFT_SOURCE_ENV}={from_env!r} is not one of {', '.join(DRAFT_SOURCES)}", 2)
+    if not no_drafter:
+        return
+    source = draft_source or from_env or DEFAULT_DRAFT_SOURCE
+    if source == MODEL_SOURCE:
+        given = "--draft-source model" if draft_source else f"${DRAFT_SOURCE_ENV}=model"
+        raise fail(f"--drafter none with {given}: that draft source needs the draft model; use "
+                   "--draft-source hybrid, lookup or suffix, or start a drafter", 2)
+    unused = [flag for flag, given in (("--draft", not is_no_drafter(draft) and draft != DEFAULT_DRAFT_MODEL),
+                                       ("--drafter-cores", drafter_cores is not None),
+                                       ("--drafter-threads", drafter_threads is not None),
+                                       ("--drafter-device", drafter_device != "cpu")) if given]
+    if unused:
+        raise fail(f"--drafter none starts no drafter, so {', '.join(unused)} would not be used: drop "
+                   f"{'it' if len(unused) == 1 else 'them'}, or start a drafter", 2)
+
+
+def _no_drafter_line(cores: list[int] | None, threads: int, draft_source: str | None) -> str:
+    """The start-up line of --drafter none: where the verifier runs, and where drafts come from."""
+    source = draft_source or os.environ.get(DRAFT_SOURCE_ENV) or DEFAULT_DRAFT_SOURCE
+    available = processes.available_cores()
+    if cores is None:
+        where = f"is not pinned (--no-pin) and runs {threads} torch thread(s)"
+    elif sorted(cores) == available:
+        where = (f"gets all {len(cores)} core(s) ({processes.format_cores(cores)}) and {threads} torch "
+                 "thread(s)")
+    else:
+        where = f"runs on core(s) {processes.format_cores(cores)} with {threads} torch thread(s)"
+    return (f"no drafter (--drafter none): no draft model is loaded; the verifier {where}; drafts: "
+            f"{source}, {WITHOUT_DRAFTER.get(source, 'target-only steps')}")
 
 
 def _watch_restarting_the_drafter(supervisor: processes.Supervisor, restarts: int,

@@ -169,6 +169,13 @@ class VerifyRequest:
     # Also return the text of the emitted tokens (VerifyOutcome.text_*), from this cursor (the
     # last outcome's text_cursor; TextCursor(n, n, n) for a prompt of n tokens). None: no text.
     text: TextCursor | None = None
+    # A model-free draft (prompt lookup, suffix cache): every node's draft distribution is one-hot at
+    # its token, so no draft rows come; the method's rule for deterministic drafts decides
+    # (specdec.methods.Method.deterministic_rule).
+    deterministic: bool = False
+    # No drafter call runs beside this pass: a verifier sharing its cores with the drafter may use all
+    # its threads for it (VerifierEngine threads_beside_drafter).
+    drafter_idle: bool = False
 
     @property
     def lean(self) -> bool:

@@ -44,10 +44,10 @@ from specdec.engine.api import (
 from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
 from specdec.errors import ContextTooLong, InvalidRequest
 from specdec.generation import CHAT_ROLES, ChatMessage
-from specdec.methods import Method, verification_method
+from specdec.methods import DETERMINISTIC_METHOD_NAMES, Method, verification_method
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import ForwardBatcher
+from specdec.runtime.batching import ForwardBatcher, ThreadWidths
 from specdec.runtime.detokenize import check_cursor, detokenize
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
@@ -92,12 +92,15 @@ class VerifierEngine:
         clock=time.monotonic,
         verify_fn: Callable | None = None,
         batching: BatchConfig | None = None,
+        threads: ThreadWidths | None = None,
     ) -> None:
-        """`verify_fn` defaults to specdec.verification.dispatch.verify (tests may swap it)."""
+        """`verify_fn` defaults to specdec.verification.dispatch.verify (tests may swap it).
+        `threads`: a verifier that shares cores with the drafter runs a pass with all its threads only
+        when the request says the drafter is idle (VerifyRequest.drafter_idle); None: never changes them."""
         self.loaded = loaded
         self.batching = batching or BatchConfig()
         # Runs every session's passes; concurrent calls from different sessions share them.
-        self._batcher = ForwardBatcher(loaded.model, self.batching)
+        self._batcher = ForwardBatcher(loaded.model, self.batching, threads=threads)
         self._verify = verify_fn or verify
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         # The most bytes a text that fits the context window can have (specdec.runtime.text_bounds),
@@ -235,7 +238,8 @@ class VerifierEngine:
         if not isinstance(request.params, MethodParams):
             raise InvalidRequest("params must be a MethodParams")
         draft = self._draft_rows(request, method, tree)
-        with self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member():
+        with (self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member(),
+              self._batcher.drafter_idle(request.drafter_idle)):
             committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
             if request.text is not None:
                 try:
@@ -263,7 +267,11 @@ class VerifierEngine:
             params = dataclasses.replace(request.params, position=len(committed))
             source = TorchRandomSource.from_seed(params.seed, "verify", len(committed))
             try:
-                result = self._verify(request.method, tree, target_rows, draft, params, source)
+                if request.deterministic:
+                    result = self._verify(request.method, tree, target_rows, None, params, source,
+                                          deterministic=True)
+                else:
+                    result = self._verify(request.method, tree, target_rows, draft, params, source)
             except VerificationError as exc:
                 raise InvalidRequest(f"verification failed: {exc}") from exc
             except DraftRowsNeeded as need:
@@ -368,6 +376,14 @@ class VerifierEngine:
         forward pass."""
         lean = request.lean_draft()
         vocab = self.loaded.info.vocab_size
+        if request.deterministic:
+            if not method.takes_deterministic_drafts:
+                raise InvalidRequest(f"deterministic: method {method.name!r} has no exact rule for "
+                                     f"model-free drafts; use one of {', '.join(DETERMINISTIC_METHOD_NAMES)}")
+            if lean is not None or request.draft_probs is not None:
+                raise InvalidRequest("deterministic: a model-free draft carries no draft rows "
+                                     "(draft_probs, draft_token_probs, draft_row_*)")
+            return None
         try:
             if not method.needs_rows(request.params, len(tree)):
                 return None

@@ -280,6 +280,8 @@ def verify_request_to_proto(req: VerifyRequest) -> verifier_pb2.VerifyRequest:
         method=req.method,
         params=method_params_to_proto(req.params),
         sampling=sampling_to_proto(req.sampling),
+        deterministic=bool(req.deterministic),
+        drafter_idle=bool(req.drafter_idle),
     )
     if req.draft_probs is not None:
         msg.draft_probs.CopyFrom(tensor_to_proto(req.draft_probs, "draft_probs"))
@@ -308,6 +310,8 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> VerifyRequest:
         draft_row_indices=list(msg.draft_row_indices),
         draft_row_values=_optional_tensor(msg, "draft_row_values", "draft_row_values"),
         text=text_cursor_from_proto(msg.text) if msg.HasField("text") else None,
+        deterministic=msg.deterministic,
+        drafter_idle=msg.drafter_idle,
     )
     lean = req.lean_draft()
     if lean is not None:

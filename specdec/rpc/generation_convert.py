@@ -19,6 +19,7 @@ from specdec.generation import (
     GenerationResult,
     GenerationStats,
     IterationRecord,
+    SourceStats,
 )
 from specdec.rpc.v1 import common_pb2, generation_pb2
 from specdec.sampling_params import SamplingParams
@@ -102,6 +103,8 @@ def generation_request_to_proto(req: GenerationRequest) -> generation_pb2.Genera
         msg.pipeline_rejection_guesses = int(req.pipeline_rejection_guesses)
     if req.messages is not None:
         msg.messages.extend(chat_messages_to_proto(req.messages))
+    if req.draft_source is not None:
+        msg.draft_source = req.draft_source
     return msg
 
 
@@ -137,6 +140,7 @@ def generation_request_from_proto(msg: generation_pb2.GenerationRequest) -> Gene
             msg.pipeline_rejection_guesses if msg.HasField("pipeline_rejection_guesses") else None
         ),
         messages=chat_messages_from_proto(msg.messages) if msg.messages else None,
+        draft_source=msg.draft_source if msg.HasField("draft_source") else None,
     )
 
 
@@ -175,6 +179,9 @@ def generation_stats_to_proto(stats: GenerationStats) -> generation_pb2.Generati
         pre_drafts_dropped=int(stats.pre_drafts_dropped),
         pre_draft_bonus_hits=to_ints(stats.pre_draft_bonus_hits, "pre_draft_bonus_hits"),
         pre_draft_rejection_hits=to_ints(stats.pre_draft_rejection_hits, "pre_draft_rejection_hits"),
+        sources={name: generation_pb2.SourceStats(drafts=int(s.drafts), drafted_tokens=int(s.drafted_tokens),
+                                                  accepted_tokens=int(s.accepted_tokens))
+                 for name, s in stats.sources.items()},
     )
 
 
@@ -197,6 +204,9 @@ def generation_stats_from_proto(msg: generation_pb2.GenerationStats) -> Generati
         pre_drafts_dropped=msg.pre_drafts_dropped,
         pre_draft_bonus_hits=list(msg.pre_draft_bonus_hits),
         pre_draft_rejection_hits=list(msg.pre_draft_rejection_hits),
+        sources={name: SourceStats(drafts=s.drafts, drafted_tokens=s.drafted_tokens,
+                                   accepted_tokens=s.accepted_tokens)
+                 for name, s in msg.sources.items()},
     )
 
 
@@ -221,6 +231,7 @@ def iteration_record_to_proto(record: IterationRecord) -> generation_pb2.Iterati
         draft_intervals=_intervals(record.draft_intervals),
         verify_intervals=_intervals(record.verify_intervals),
         overlap_seconds=float(record.overlap_seconds),
+        source=record.source,
     )
     if record.a is not None:
         msg.a = float(record.a)
@@ -248,6 +259,7 @@ def iteration_record_from_proto(msg: generation_pb2.IterationRecord) -> Iteratio
         draft_intervals=[(i.start, i.end) for i in msg.draft_intervals],
         verify_intervals=[(i.start, i.end) for i in msg.verify_intervals],
         overlap_seconds=msg.overlap_seconds,
+        source=msg.source,
     )
 
 

@@ -19,6 +19,11 @@ the session's own. Keeping the new entries last gives every session its rows as 
 the pass's, so one `logits_to_keep` serves all. The verification rules run per session on
 those rows afterwards, so batching changes no output beyond floating-point rounding
 (docs/algorithms.md §13).
+
+Threads: an engine that shares its cores with the drafter (`up`: the verifier may use the
+drafter's core while the drafter has nothing to do) runs a pass with all its threads only when
+every call in it said the drafter is idle (`wide`), else with `ThreadWidths.beside_drafter`. The
+thread count changes no row: int8 rows are computed per row (docs/algorithms.md §14).
 """
 
 from __future__ import annotations
@@ -43,10 +48,22 @@ class _Job:
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     done: bool = False
+    wide: bool = False  # the caller said no drafter call runs beside it (ThreadWidths)
 
     @property
     def positions(self) -> int:
         return len(self.plan.tokens) if self.plan is not None else 0
+
+
+@dataclass(frozen=True)
+class ThreadWidths:
+    """torch threads of a pass: `wide` when every caller's drafter is idle, else `beside_drafter`."""
+
+    wide: int
+    beside_drafter: int
+
+    def for_pass(self, wide: bool) -> int:
+        return self.wide if wide else self.beside_drafter
 
 
 @dataclass
@@ -60,10 +77,13 @@ class BatchStats:
 class ForwardBatcher:
     """Runs the passes of many TreeKVCaches over one model, batching concurrent ones."""
 
-    def __init__(self, model, config: BatchConfig | None = None, clock=time.monotonic) -> None:
+    def __init__(self, model, config: BatchConfig | None = None, clock=time.monotonic,
+                 threads: ThreadWidths | None = None) -> None:
         self.model = model
         self.config = config or BatchConfig()
         self.clock = clock
+        self.threads = threads  # None: the process's thread count, never changed here
+        self._caller = threading.local()  # the calling thread's `wide` (drafter_idle)
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
@@ -82,6 +102,16 @@ class ForwardBatcher:
             with self._cond:
                 self._members -= 1
                 self._cond.notify_all()
+
+    @contextmanager
+    def drafter_idle(self, idle: bool) -> Iterator[None]:
+        """The passes this thread asks for meanwhile say whether the drafter is idle (ThreadWidths)."""
+        before = getattr(self._caller, "wide", False)
+        self._caller.wide = idle
+        try:
+            yield
+        finally:
+            self._caller.wide = before
 
     def counters(self) -> dict[str, int]:
         """queue_depth (plans waiting for a pass), batches, batch_calls, batch_tokens (for metrics)."""
@@ -102,6 +132,7 @@ class ForwardBatcher:
 
     # leading ----------------------------------------------------------------------------------
     def _submit(self, job: _Job) -> _Job:
+        job.wide = getattr(self._caller, "wide", False)
         with self._cond:
             self._queue.append(job)
             self._cond.notify_all()
@@ -154,6 +185,10 @@ class ForwardBatcher:
         return sum(job.positions for job in self._queue)
 
     def _execute(self, batch: list[_Job]) -> None:
+        if self.threads is not None:
+            threads = self.threads.for_pass(all(job.wide for job in batch))
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         try:
             if batch[0].kv is None:
                 assert batch[0].run is not None

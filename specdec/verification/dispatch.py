@@ -21,6 +21,8 @@ def verify(
     draft_probs: torch.Tensor | LeanDraft | None = None,
     params: MethodParams | None = None,
     source: RandomSource | None = None,
+    *,
+    deterministic: bool = False,
 ) -> VerifyResult:
     """Run one verification of `tree` with `method` (see base.py for the row layout).
 
@@ -40,6 +42,13 @@ def verify(
     if bad:
         raise VerificationError(f"draft tokens {bad} lie outside the vocabulary [0, {vocab})")
     target = Rows(target_probs, "target")
+    if deterministic:
+        if draft_probs is not None:
+            raise VerificationError("a deterministic (model-free) draft carries no draft rows")
+        rule = spec.verify_deterministic
+        if source is None and spec.needs_random_source:
+            raise VerificationError(f"method {method!r} needs a RandomSource")
+        return rule(tree, target, None, params, source)
     draft: Rows | None = None
     if spec.needs_rows(params, len(tree)):
         if isinstance(draft_probs, LeanDraft):

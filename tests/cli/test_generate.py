@@ -21,17 +21,17 @@ ENV = {"COLUMNS": "200", "NO_COLOR": "1", "SPECDEC_ADDRESS": None}
 EVERY_OPTION = dict(
     prompt="def f", prompt_ids=None, max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9,
     stop=["a", "b"], ignore_eos=True, seed=5, method="rd", k=6, tree_budget=9, a=0.3, pipeline=False,
-    pipeline_max_k=4, bonus_guesses=2, rejection_guesses=1,
+    pipeline_max_k=4, bonus_guesses=2, rejection_guesses=1, draft_source="lookup",
 )
 EVERY_FIELD = GenerationRequest(
     prompt="def f", prompt_ids=None, max_new_tokens=7, sampling=SamplingParams(0.5, 3, 0.9), stop=["a", "b"],
     stop_token_ids=[], seed=5, method="rd", k=6, a=0.3, tree_budget=9, pipeline=False, pipeline_max_k=4,
-    pipeline_bonus_guesses=2, pipeline_rejection_guesses=1,
+    pipeline_bonus_guesses=2, pipeline_rejection_guesses=1, draft_source="lookup",
 )
 EVERY_FLAG = ["--max-new-tokens", "7", "--temperature", "0.5", "--top-k", "3", "--top-p", "0.9",
               "--stop", "a", "--stop", "b", "--ignore-eos", "--seed", "5", "--method", "rd", "--k", "6",
               "--tree-budget", "9", "--a", "0.3", "--no-pipeline", "--pipeline-max-k", "4",
-              "--bonus-guesses", "2", "--rejection-guesses", "1"]
+              "--bonus-guesses", "2", "--rejection-guesses", "1", "--draft-source", "lookup"]
 
 
 @pytest.fixture
@@ -101,8 +101,8 @@ def test_the_defaults_are_the_request_defaults(recorded) -> None:
     assert result.exit_code == 0, result.output
     ((request, run),) = recorded["runs"]
     assert request == GenerationRequest(prompt="p")
-    # no --method / --k / --a / --pipeline: nothing is sent, the orchestrator's defaults apply
-    assert (request.method, request.k, request.a, request.pipeline) == (None, None, None, None)
+    # no --method / --k / --a / --pipeline / --draft-source: nothing is sent, the orchestrator decides
+    assert (request.method, request.k, request.a, request.pipeline, request.draft_source) == (None,) * 5
     assert run == GenerateRun(address=DEFAULT_ORCHESTRATOR_ADDRESS, observability=ObservabilityOptions())
     assert not run.in_process
 
@@ -143,8 +143,55 @@ def test_bad_sampling_is_one_line_before_any_connection(recorded) -> None:
 
 
 @pytest.mark.parametrize("args", [["p", "--prompt", "q"], ["p", "--prompt-ids", "1"], ["--prompt-ids", "1,x"],
-                                  ["--draft", "d", "p"], ["--num-samples", "0", "p"]])
+                                  ["--draft", "d", "p"], ["--num-samples", "0", "p"],
+                                  ["--draft-source", "ngram", "p"]])
 def test_usage_errors_exit_2_and_build_nothing(recorded, args) -> None:
     result = CliRunner().invoke(app, ["generate", *args], env=ENV)
     assert result.exit_code == 2, result.output
     assert recorded["built"] == [] and recorded["runs"] == []
+
+
+def test_in_process_mode_passes_the_draft_source_too(recorded) -> None:
+    """Server and in-process mode send the same request: --draft-source is a request field in both."""
+    result = CliRunner().invoke(app, ["generate", "--draft", "d", "--target", "t", "--draft-source", "suffix",
+                                      "--method", "token", "p"], env=ENV)
+    assert result.exit_code == 0, result.output
+    ((request, run),) = recorded["runs"]
+    assert run.in_process and (request.draft_source, request.method) == ("suffix", "token")
+
+
+def _result(sources: dict | None = None, drafted: int = 64, accepted: int = 50):
+    from specdec.generation import GenerationResult, GenerationStats
+
+    stats = GenerationStats(iterations=12, new_tokens=62, seconds=2.0, drafted_tokens=drafted,
+                            accepted_tokens=accepted, sources=sources or {})
+    return GenerationResult(request_id="r", token_ids=[1] * 62, text="x", finish_reason="length", seed=3,
+                            method="token", stats=stats)
+
+
+def test_the_summary_line_shows_acceptance_by_source() -> None:
+    from specdec.generation import SourceStats
+
+    plain = cli_generate._stats_line(_result())
+    assert plain == ("62 tokens in 2.00s (31.0 tok/s) · token · 12 iterations · accepted 50/64 (78%) · "
+                     "finish length · seed 3")  # no sources: the line as it was
+    line = cli_generate._stats_line(_result({
+        "model": SourceStats(drafts=4, drafted_tokens=20, accepted_tokens=10),
+        "lookup": SourceStats(drafts=8, drafted_tokens=44, accepted_tokens=40),
+        "suffix": SourceStats()}))  # no draft: left out
+    assert line == plain.replace(" · finish", " · lookup 40/44 (91%, 5.0/draft) · model 10/20 (50%, "
+                                              "2.5/draft) · finish")
+    assert cli_generate._stats_line(_result({}, drafted=0, accepted=0)) == (
+        "62 tokens in 2.00s (31.0 tok/s) · token · 12 iterations · finish length · seed 3")
+
+
+def test_the_json_line_has_acceptance_by_source() -> None:
+    import json
+
+    from specdec.generation import SourceStats
+
+    line = cli_generate.result_json(_result({"lookup": SourceStats(8, 44, 40)}), 0)
+    assert json.loads(json.dumps(line))["stats"]["sources"] == {"lookup": {
+        "drafts": 8, "drafted_tokens": 44, "accepted_tokens": 40, "acceptance_rate": 40 / 44,
+        "mean_accepted": 5.0}}
+    assert cli_generate.result_json(_result(), 0)["stats"]["sources"] == {}

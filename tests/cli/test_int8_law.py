@@ -43,6 +43,10 @@ METHODS = {
     "ersd": ["--k", "2"],
     "rd": ["--k", "2", "--a", "0.5"],
     "gsd-tree": ["--k", "4"],
+    # Model-free drafts (docs/algorithms.md §15) through the same CLI: "method@source".
+    "token@lookup": ["--k", "2", "--draft-source", "lookup"],
+    "block@suffix": ["--k", "3", "--draft-source", "suffix"],
+    "gsd-tree@suffix": ["--k", "4", "--draft-source", "suffix"],
 }
 TWO_SAMPLE = ("token", "autoregressive")
 CHOSEN = [m for m in os.environ.get("SPECDEC_LAW_METHODS", ",".join(METHODS)).split(",") if m in METHODS]
@@ -103,7 +107,8 @@ def samples(pair) -> dict[str, list[tuple[int, ...]]]:
         command = [sys.executable, "-m", "specdec.cli", "generate", "--draft", str(draft), "--target",
                    str(target), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(LENGTH),
                    "--ignore-eos", "--json", "--num-samples", str(n), "--seed", str(10**6 * (index + 1)),
-                   "--threads", "1", "--method", method, *knobs]  # --dtype: the default (auto: int8 here)
+                   # --dtype: the default (auto: int8 here)
+                   "--threads", "1", "--method", method.split("@")[0], *knobs]
         pending.append((method, command))
     results: dict[str, list[tuple[int, ...]]] = {}
     running: list[tuple[str, subprocess.Popen]] = []
@@ -116,7 +121,11 @@ def samples(pair) -> dict[str, list[tuple[int, ...]]]:
         out, err = process.communicate(timeout=900)
         assert process.returncode == 0, err[-2000:]
         lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        assert all(line["method"] == method for line in lines)
+        assert all(line["method"] == method.split("@")[0] for line in lines)
+        if "@" in method:  # the model-free source drafted
+            drafted = sum(line["stats"]["sources"].get(method.split("@")[1], {}).get("drafted_tokens", 0)
+                          for line in lines)
+            assert drafted > len(lines) // 4, (method, drafted)
         results[method] = [tuple(line["token_ids"]) for line in lines]
     return results
 

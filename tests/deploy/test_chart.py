@@ -424,6 +424,9 @@ def test_service_monitor_scrapes_the_three_metrics_ports(rendered: Any) -> None:
     ("verifier.gpu.count=-1", "/verifier/gpu/count"),
     ("models.storage.type=s3", "/models/storage/type"),
     ("drafter.modle=x", "'modle' not allowed"),
+    ("orchestrator.draftSource=magic", "/orchestrator/draftSource"),
+    ("verifier.enabled=false", "/verifier/enabled"),
+    ("service.sessionAffinity=Sticky", "/service/sessionAffinity"),
 ])
 def test_the_schema_rejects_bad_values(tools: Tools, setting: str, message: str) -> None:
     with pytest.raises(HelmError, match="values don't meet the specifications of the schema") as error:
@@ -436,3 +439,119 @@ def test_cross_field_checks_name_the_value(tools: Tools) -> None:
         render(tools, sets=["models.storage.type=existingClaim"])
     with pytest.raises(HelmError, match="tls.enabled needs tls.secretName"):
         render(tools, sets=["tls.enabled=true"])
+    with pytest.raises(HelmError, match="orchestrator.draftSource model needs the draft model"):
+        render(tools, sets=["drafter.enabled=false", "orchestrator.draftSource=model"])
+    render(tools, sets=["orchestrator.draftSource=model"])  # with the drafter it is fine
+
+
+# -------------------------------------------------------------------------- without a drafter
+
+NO_DRAFTER = "drafter.enabled=false"
+
+
+def _orchestrator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return pod_spec(component(docs, "Deployment", "orchestrator"))["containers"][0]
+
+
+def _serve_orchestrator_params(args: list[str], **env: str) -> dict[str, Any]:
+    """The rendered orchestrator args as the real `specdec serve orchestrator` parses them."""
+    import typer
+
+    from specdec.cli import app
+
+    assert args[:2] == ["serve", "orchestrator"]
+    command = typer.main.get_command(app).commands["serve"].commands["orchestrator"]
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return command.make_context("orchestrator", list(args[2:])).params
+
+
+def test_helm_lint_without_a_drafter(tools: Tools) -> None:
+    out = helm(tools, "lint", "--strict", str(CHART), "--set", NO_DRAFTER)
+    assert "1 chart(s) linted, 0 chart(s) failed" in out
+
+
+@pytest.mark.parametrize("values_file", [None, EXAMPLES / "values-replicas.yaml"],
+                         ids=["default", "replicas"])
+def test_without_a_drafter_no_drafter_object_is_made(rendered: Any, values_file: Path | None) -> None:
+    """drafter.enabled=false: no Deployment, Service (headless too), PDB, model claim or policy entry
+    of the drafter; what is left validates strictly and every Service still reaches its pods."""
+    docs = rendered(values_file, NO_DRAFTER)
+    with_drafter = rendered(values_file)
+    labelled = {doc["metadata"].get("labels", {}).get("app.kubernetes.io/component") for doc in docs}
+    assert "drafter" not in labelled and {"orchestrator", "verifier"} <= labelled
+    assert [d["metadata"]["name"] for d in docs if "drafter" in d["metadata"]["name"]] == []
+    gone = {(d["kind"], d["metadata"]["name"]) for d in with_drafter} - {(d["kind"], d["metadata"]["name"])
+                                                                          for d in docs}
+    assert gone and all("drafter" in name for _, name in gone), gone
+    for doc in docs:
+        if doc["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    deployments = objects(docs, "Deployment")
+    for name, service in objects(docs, "Service").items():
+        matched = [d for d in deployments.values() if selects(service["spec"]["selector"], pod_labels(d))]
+        assert len(matched) == 1, f"Service {name} selects {[d['metadata']['name'] for d in matched]}"
+    if values_file is None:
+        assert set(objects(docs, "PersistentVolumeClaim")) == {"rel-specdec-verifier-models"}
+        budgets = objects(docs, "PodDisruptionBudget")
+        assert sorted(b["metadata"]["labels"]["app.kubernetes.io/component"] for b in budgets.values()) == [
+            "orchestrator", "verifier"]
+
+
+def test_without_a_drafter_the_orchestrator_runs_with_drafter_none(rendered: Any) -> None:
+    container = _orchestrator_container(rendered(None, NO_DRAFTER))
+    assert arg_value(container["args"], "--drafter") == "none"
+    assert arg_value(container["args"], "--verifier") == "rel-specdec-verifier:50052"
+    assert env_map(container)["SPECDEC_DRAFT_SOURCE"] == "hybrid"
+    params = _serve_orchestrator_params(container["args"], SPECDEC_DRAFT_SOURCE="hybrid")
+    assert params["drafter"] == "none" and params["draft_source"] == "hybrid"
+    lookup = _orchestrator_container(rendered(None, NO_DRAFTER, "orchestrator.draftSource=lookup"))
+    assert env_map(lookup)["SPECDEC_DRAFT_SOURCE"] == "lookup"
+    # With the drafter: its Service's address, and the draft source all the same.
+    default = _orchestrator_container(rendered())
+    assert arg_value(default["args"], "--drafter") == "rel-specdec-drafter:50051"
+    assert env_map(default)["SPECDEC_DRAFT_SOURCE"] == "hybrid"
+    assert _serve_orchestrator_params(default["args"])["drafter"] == "rel-specdec-drafter:50051"
+
+
+def test_values_without_the_switch_keep_the_drafter(rendered: Any) -> None:
+    """`helm upgrade --reuse-values` of a release from before drafter.enabled: no key means enabled."""
+    docs = rendered(None, "drafter.enabled=null")
+    assert component(docs, "Deployment", "drafter")
+    assert arg_value(_orchestrator_container(docs)["args"], "--drafter") == "rel-specdec-drafter:50051"
+    without_source = _orchestrator_container(rendered(None, "orchestrator.draftSource=null"))
+    assert "SPECDEC_DRAFT_SOURCE" not in env_map(without_source)  # the orchestrator's own default
+
+
+def test_without_a_drafter_the_verifier_is_placed_and_guarded_alone(rendered: Any) -> None:
+    """No rule keeps the verifier away from a drafter that does not exist; the engines' policy selects
+    the verifier alone; the verifier keeps its own values (resources included: documented)."""
+    docs = rendered(None, NO_DRAFTER)
+    verifier = component(docs, "Deployment", "verifier")
+    assert "affinity" not in pod_spec(verifier)
+    container = pod_spec(verifier)["containers"][0]
+    assert container["resources"] == pod_spec(component(rendered(), "Deployment", "verifier"))[
+        "containers"][0]["resources"]
+    policy = _policy_for(docs, "verifier")
+    assert policy["spec"]["podSelector"]["matchExpressions"][0]["values"] == ["verifier"]
+    (rule,) = [r for r in policy["spec"]["ingress"] if {"port": "grpc", "protocol": "TCP"} in r["ports"]]
+    assert selects(rule["from"][0]["podSelector"], pod_labels(component(docs, "Deployment", "orchestrator")))
+
+
+def test_notes_say_there_is_no_draft_model(tools: Tools) -> None:
+    out = helm(tools, "install", "rel", str(CHART), "--dry-run=client", "--namespace", "specdec",
+               "--set", NO_DRAFTER, "--set", "orchestrator.draftSource=suffix")
+    notes = out.split("NOTES:", 1)[1]
+    assert "Draft model:  none (drafter.enabled=false): drafts are model-free (suffix)" in notes
+    assert "9091" not in notes  # the drafter's metrics port
+    with_drafter = helm(tools, "install", "rel", str(CHART), "--dry-run=client", "--namespace", "specdec")
+    assert "Draft model:  qwen2.5-coder-0.5b (1 drafter pod(s))" in with_drafter.split("NOTES:", 1)[1]
+
+
+def test_session_affinity_applies_to_the_orchestrator_service_only(rendered: Any) -> None:
+    docs = rendered(None, "service.sessionAffinity=ClientIP")
+    assert component(docs, "Service", "orchestrator")["spec"]["sessionAffinity"] == "ClientIP"
+    for role in ENGINES:
+        assert "sessionAffinity" not in component(docs, "Service", role)["spec"]
+    assert "sessionAffinity" not in component(rendered(), "Service", "orchestrator")["spec"]

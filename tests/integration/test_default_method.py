@@ -113,12 +113,13 @@ async def one_more_run(registry, before: dict[str, float]) -> str:
 
 
 def assert_ran(result, method: str, k: int | None = None) -> None:
-    """The result names `method`, and its speculative iterations ran it (with draft length k)."""
+    """The result names `method`, and its speculative iterations ran it (the model's with draft length k)."""
     assert result.method == method, result.method
     speculative = [r for r in result.iterations if r.method != "autoregressive"]
     assert speculative and all(r.method == method for r in speculative), [r.method for r in result.iterations]
-    if k is not None:
-        assert all(r.k == k for r in speculative), [r.k for r in speculative]
+    if k is not None:  # the draft model's length (a model-free draft's size is the proposal's)
+        model = [r for r in speculative if r.source == "model"]
+        assert all(r.k == k for r in model), [(r.source, r.k) for r in speculative]
 
 
 # ------------------------------------------------------------------------------------- the doors

@@ -62,6 +62,20 @@ async def test_loop_metrics_agree_with_the_statistics(engines):
         assert total(samples, "specdec_iteration_seconds_count", method=method) == stats.iterations
         assert total(samples, "specdec_draft_call_seconds_count", method=method) == sum(
             len(r.draft_intervals) for r in records)
+    # by draft source: the same counts as the statistics' (GenerationStats.sources)
+    names = {name for result in results for name in result.stats.sources}
+    assert names  # these runs drafted (with the draft model at least)
+    for name in names:
+        mine = [r.stats.sources[name] for r in results if name in r.stats.sources]
+        assert total(samples, "specdec_source_drafts_total", source=name) == sum(s.drafts for s in mine)
+        assert total(samples, "specdec_source_drafted_tokens_total", source=name) == sum(
+            s.drafted_tokens for s in mine)
+        assert total(samples, "specdec_source_accepted_tokens_total", source=name) == sum(
+            s.accepted_tokens for s in mine)
+        assert total(samples, "specdec_source_accepted_length_sum", source=name) == sum(
+            s.accepted_tokens for s in mine)
+    assert total(samples, "specdec_source_drafts_total") == total(samples, "specdec_iterations_total",
+                                                                  drafted="true")
     # RD's no-draft steps overlap drafter and verifier: the ratio histogram saw them
     assert total(samples, "specdec_iteration_overlap_ratio_count", method="rd") > 0
     # the bad request never became a run (refused before it started): counted nowhere

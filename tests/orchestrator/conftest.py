@@ -28,6 +28,16 @@ VOCAB = 6
 MODEL_SEEDS = {"target": 101, "draft": 202, "draft2": 303}
 
 
+@pytest.fixture(autouse=True)
+def draft_model_source(request, monkeypatch) -> None:
+    """The loop's tests are about the draft model (its adaptation, look-ahead, failover): their
+    orchestrators draft from it alone (SPECDEC_DRAFT_SOURCE=model), so that a model-free draft of
+    the tiny models' repetitive output does not stand in for the drafter they watch. Modules about
+    the sources themselves set KEEPS_DRAFT_SOURCE_DEFAULT = True and get the hybrid default."""
+    if not getattr(request.module, "KEEPS_DRAFT_SOURCE_DEFAULT", False):
+        monkeypatch.setenv("SPECDEC_DRAFT_SOURCE", "model")
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")

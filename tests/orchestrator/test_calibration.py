@@ -78,17 +78,22 @@ def test_describe_defaults_says_where_they_come_from(tmp_path, monkeypatch) -> N
     draft, target = ModelInfo("draft-x", 8, "f", 64), ModelInfo("target-y", 8, "f", 64)
     config = OrchestratorConfig()
     assert describe_defaults(config, None, target).endswith("(built-in; the drafter is not connected yet)")
+    assert describe_defaults(config, None, target, has_drafter=False).endswith(
+        "(built-in; no drafter: model-free drafts or target-only steps)")
     line = describe_defaults(config, draft, target)
     built_in = (
-        f"defaults: method token, k online from {config.default_k} (requests without k or seed), a 0.5, "
+        f"defaults: method token, drafts model, k online from {config.default_k} "
+        "(requests without k or seed), a 0.5, "
         "pipeline on (built-in; no calibration at "
     )
     assert line.startswith(built_in)
     assert str(tmp_path / "calibration") in line
     save_calibration(calibration("draft-x", "target-y"), home=tmp_path)
     line = describe_defaults(calibrated_config(config, draft, target), draft, target)
-    assert line.startswith("defaults: method token, k online from 3 (requests without k or seed), a 0.8, "
+    assert line.startswith("defaults: method token, drafts model, k online from 3 "
+                           "(requests without k or seed), a 0.8, "
                            "pipeline on (calibration ")
     opted_out = OrchestratorConfig(use_calibration=False, adaptive_k=False)
     line = describe_defaults(opted_out, draft, target)
-    assert line.startswith("defaults: method token, k 2, a 0.5") and "calibration disabled" in line
+    assert line.startswith("defaults: method token, drafts model, k 2, a 0.5")
+    assert "calibration disabled" in line

@@ -16,7 +16,7 @@ class ResumeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class GenerationRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline", "pipeline_max_k", "pipeline_bonus_guesses", "pipeline_rejection_guesses", "messages")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline", "pipeline_max_k", "pipeline_bonus_guesses", "pipeline_rejection_guesses", "messages", "draft_source")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class GenerationRequest(_message.Message):
     PIPELINE_BONUS_GUESSES_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_REJECTION_GUESSES_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _common_pb2.TokenIds
     max_new_tokens: int
@@ -51,10 +52,18 @@ class GenerationRequest(_message.Message):
     pipeline_bonus_guesses: int
     pipeline_rejection_guesses: int
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ..., pipeline_max_k: _Optional[int] = ..., pipeline_bonus_guesses: _Optional[int] = ..., pipeline_rejection_guesses: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
+    draft_source: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ..., pipeline_max_k: _Optional[int] = ..., pipeline_bonus_guesses: _Optional[int] = ..., pipeline_rejection_guesses: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., draft_source: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("iterations", "drafted_iterations", "drafted_tokens", "accepted_tokens", "new_tokens", "seconds", "draft_seconds", "verify_seconds", "overlap_seconds", "accepted_per_position", "drafted_per_position", "fallback_iterations", "tokens_per_second", "acceptance_rate", "pre_drafts_used", "pre_drafts_dropped", "pre_draft_bonus_hits", "pre_draft_rejection_hits")
+    __slots__ = ("iterations", "drafted_iterations", "drafted_tokens", "accepted_tokens", "new_tokens", "seconds", "draft_seconds", "verify_seconds", "overlap_seconds", "accepted_per_position", "drafted_per_position", "fallback_iterations", "tokens_per_second", "acceptance_rate", "pre_drafts_used", "pre_drafts_dropped", "pre_draft_bonus_hits", "pre_draft_rejection_hits", "sources")
+    class SourcesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SourceStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SourceStats, _Mapping]] = ...) -> None: ...
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +82,7 @@ class GenerationStats(_message.Message):
     PRE_DRAFTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_BONUS_HITS_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_REJECTION_HITS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     iterations: int
     drafted_iterations: int
     drafted_tokens: int
@@ -91,7 +101,18 @@ class GenerationStats(_message.Message):
     pre_drafts_dropped: int
     pre_draft_bonus_hits: _containers.RepeatedScalarFieldContainer[int]
     pre_draft_rejection_hits: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, iterations: _Optional[int] = ..., drafted_iterations: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., overlap_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallback_iterations: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., pre_drafts_used: _Optional[int] = ..., pre_drafts_dropped: _Optional[int] = ..., pre_draft_bonus_hits: _Optional[_Iterable[int]] = ..., pre_draft_rejection_hits: _Optional[_Iterable[int]] = ...) -> None: ...
+    sources: _containers.MessageMap[str, SourceStats]
+    def __init__(self, iterations: _Optional[int] = ..., drafted_iterations: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., overlap_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallback_iterations: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., pre_drafts_used: _Optional[int] = ..., pre_drafts_dropped: _Optional[int] = ..., pre_draft_bonus_hits: _Optional[_Iterable[int]] = ..., pre_draft_rejection_hits: _Optional[_Iterable[int]] = ..., sources: _Optional[_Mapping[str, SourceStats]] = ...) -> None: ...
+
+class SourceStats(_message.Message):
+    __slots__ = ("drafts", "drafted_tokens", "accepted_tokens")
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    drafts: int
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, drafts: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "seed", "method", "stats", "iterations", "started_at", "prompt_tokens")
@@ -126,7 +147,7 @@ class Interval(_message.Message):
     def __init__(self, start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
 
 class IterationRecord(_message.Message):
-    __slots__ = ("request_id", "index", "position", "method", "a", "k", "heads", "drafted", "num_drafted", "accepted", "emitted", "fallback", "start", "end", "draft_intervals", "verify_intervals", "overlap_seconds")
+    __slots__ = ("request_id", "index", "position", "method", "a", "k", "heads", "drafted", "num_drafted", "accepted", "emitted", "fallback", "start", "end", "draft_intervals", "verify_intervals", "overlap_seconds", "source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +165,7 @@ class IterationRecord(_message.Message):
     DRAFT_INTERVALS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_INTERVALS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     position: int
@@ -161,7 +183,8 @@ class IterationRecord(_message.Message):
     draft_intervals: _containers.RepeatedCompositeFieldContainer[Interval]
     verify_intervals: _containers.RepeatedCompositeFieldContainer[Interval]
     overlap_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., position: _Optional[int] = ..., method: _Optional[str] = ..., a: _Optional[float] = ..., k: _Optional[int] = ..., heads: _Optional[int] = ..., drafted: _Optional[bool] = ..., num_drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted: _Optional[_Iterable[int]] = ..., fallback: _Optional[bool] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., draft_intervals: _Optional[_Iterable[_Union[Interval, _Mapping]]] = ..., verify_intervals: _Optional[_Iterable[_Union[Interval, _Mapping]]] = ..., overlap_seconds: _Optional[float] = ...) -> None: ...
+    source: str
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., position: _Optional[int] = ..., method: _Optional[str] = ..., a: _Optional[float] = ..., k: _Optional[int] = ..., heads: _Optional[int] = ..., drafted: _Optional[bool] = ..., num_drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted: _Optional[_Iterable[int]] = ..., fallback: _Optional[bool] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., draft_intervals: _Optional[_Iterable[_Union[Interval, _Mapping]]] = ..., verify_intervals: _Optional[_Iterable[_Union[Interval, _Mapping]]] = ..., overlap_seconds: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
 
 class GenerationChunk(_message.Message):
     __slots__ = ("token_ids", "text", "result")

@@ -30,7 +30,7 @@ class ScoreResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values", "text")
+    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values", "text", "deterministic", "drafter_idle")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,8 @@ class VerifyRequest(_message.Message):
     DRAFT_ROW_INDICES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROW_VALUES_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_IDLE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -57,7 +59,9 @@ class VerifyRequest(_message.Message):
     draft_row_indices: _containers.RepeatedScalarFieldContainer[int]
     draft_row_values: _common_pb2.Tensor
     text: TextCursor
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[_Union[TextCursor, _Mapping]] = ...) -> None: ...
+    deterministic: bool
+    drafter_idle: bool
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[_Union[TextCursor, _Mapping]] = ..., deterministic: _Optional[bool] = ..., drafter_idle: _Optional[bool] = ...) -> None: ...
 
 class TextCursor(_message.Message):
     __slots__ = ("start", "prefix", "read")

@@ -70,6 +70,18 @@ app.kubernetes.io/part-of: specdec
 {{- $image.pullPolicy }}
 {{- end }}
 
+{{/* "true" unless drafter.enabled is false. A values set without the key (e.g. `helm upgrade
+     --reuse-values` of a release made before the switch existed) keeps its drafter. */}}
+{{- define "specdec.drafterEnabled" -}}
+{{- if ne (toString .Values.drafter.enabled) "false" }}true{{ end }}
+{{- end }}
+
+{{/* The engines of this release, space-separated: "drafter verifier", or "verifier" without a
+     drafter. Every template that makes an engine's objects ranges over this list. */}}
+{{- define "specdec.engines" -}}
+{{- if include "specdec.drafterEnabled" . }}drafter verifier{{ else }}verifier{{ end }}
+{{- end }}
+
 {{/* Where the orchestrator reaches an engine: its headless Service (every pod's address) when it
      has several replicas, else its ClusterIP Service. */}}
 {{- define "specdec.engineAddress" -}}
@@ -178,6 +190,9 @@ app.kubernetes.io/part-of: specdec
 {{- end }}
 {{- if and .Values.tls.requireClientCert (not .Values.tls.enabled) }}
 {{- fail "tls.requireClientCert needs tls.enabled" }}
+{{- end }}
+{{- if and (not (include "specdec.drafterEnabled" .)) (eq (toString .Values.orchestrator.draftSource) "model") }}
+{{- fail "orchestrator.draftSource model needs the draft model: with drafter.enabled=false choose hybrid, lookup or suffix" }}
 {{- end }}
 {{- if and .Values.orchestrator.http.enabled (eq (int .Values.orchestrator.http.port) (int .Values.orchestrator.port)) }}
 {{- fail "orchestrator.http.port must differ from orchestrator.port" }}

@@ -1,0 +1,110 @@
+"""The hybrid source, the default of `up`: each iteration verifies a model-free draft when it promises
+more tokens per second than the draft model's best choice (which may itself be a target-only step),
+else it does what the model strategy plans. With no draft model: model-free or target-only.
+
+The choice reads the proposal (its tokens and their estimated probabilities), the orchestrator's
+measured worth of each model-free source (adaptation.SourceEstimates: accepted ÷ predicted, and the
+wall time by verified positions) and the model strategy's own estimate (its online draft length,
+adaptation.DraftLength). It is made from the committed prefix and finished iterations only, before
+the target's pass reads the draft, so it keeps the output's law like any draft length does
+(docs/algorithms.md §8, §15). A seeded request asks for replay, so its choice reads no timings and
+no other request: the request's own n-grams (lookup) when they promise at least
+SEEDED_MIN_EXPECTED tokens, else the model.
+"""
+
+from __future__ import annotations
+
+import math
+
+from orchestrator.adaptation import PRIOR_SLOPE, STEADY_CATCH_UP, SourceEstimates
+from orchestrator.drafting.base import Draft, Drafting, DraftingStrategy, Plan, Step, verify_draft
+from orchestrator.drafting.model_free import ModelFreeDrafts
+from specdec.engine.api import VerifyOutcome
+from specdec.model_free import Proposal
+
+SEEDED_MIN_EXPECTED = 1.0  # expected accepted tokens a seeded request's lookup draft must promise
+
+
+class HybridDrafts(Drafting):
+    """Model-free, model or target-only, per iteration (module docstring)."""
+
+    def __init__(self, free: ModelFreeDrafts, model: DraftingStrategy | None, estimates: SourceEstimates, *,
+                 timed: bool) -> None:
+        self.free = free
+        self.model = model
+        self.estimates = estimates
+        self.timed = timed  # False: a seeded request (no timings in the choice)
+        self._free_turn = False  # this iteration's plan came from the model-free source
+        self._predicted = 0.0  # the proposal's own expected accepted tokens
+        self._steady = True
+
+    def plan(self, step: Step) -> Plan | None:
+        proposal = self.free.propose(step)
+        chosen = self.choose(proposal) if proposal is not None else None
+        self._free_turn = chosen is not None
+        self._steady = step.sessions.lag(step.committed, drafting=False) <= STEADY_CATCH_UP
+        if chosen is not None:
+            self._predicted = chosen.expected_accepted()
+            return self.free.plan_for(step, chosen)
+        self.free.plan_for(step, None)
+        return self.model.plan(step) if self.model is not None else None
+
+    def choose(self, proposal: Proposal) -> Proposal | None:
+        """The proposal's best cut when it promises more tokens per second than the alternatives,
+        else None. The cut keeps the m likeliest nodes (by path probability, so parents stay), with
+        m maximising (1 + c_s·Σ path probabilities) / W(m + 1)."""
+        if not self.timed:
+            return proposal if proposal.expected_accepted() >= SEEDED_MIN_EXPECTED else None
+        est = self.estimates
+        calibration = est.calibration(proposal.source)
+        step_seconds = est.iteration_seconds(1)
+        measured = math.isfinite(step_seconds)
+        best_m, best_rate, expected = 0, -math.inf, 0.0
+        for m, path_prob in enumerate(sorted(proposal.path_probs(), reverse=True), start=1):
+            expected += path_prob
+            # Nothing measured yet: a pass of m + 1 positions costs about 1 + PRIOR_SLOPE·m steps.
+            seconds = est.iteration_seconds(m + 1) if measured else 1.0 + PRIOR_SLOPE * m
+            rate = (1.0 + calibration * expected) / seconds
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        other = 1.0 / step_seconds if measured else 1.0
+        model_rate = self.model_rate()
+        if measured and math.isfinite(model_rate):
+            other = max(other, model_rate)
+        if best_rate <= other:
+            return None
+        return proposal.truncated(best_m)
+
+    def model_rate(self) -> float:
+        """The model strategy's expected tokens per second at its best draft length (nan: unknown)."""
+        return self.model.expected_rate() if isinstance(self.model, Drafting) else math.nan
+
+    async def draft(self, step: Step, plan: Plan) -> Draft:
+        if self._free_turn:
+            return await self.free.draft(step, plan)
+        assert self.model is not None
+        return await self.model.draft(step, plan)
+
+    async def verify(self, step: Step, draft: Draft) -> VerifyOutcome:
+        if self._free_turn or self.model is None:
+            return await verify_draft(step, draft)
+        return await self.model.verify(step, draft)
+
+    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None:
+        record = step.record
+        alone = self._free_turn or self.model is None or (draft.target_only and not _beside_look_ahead(draft))
+        if alone and not draft.fallback:  # an iteration without the draft model: what W(n) measures
+            self.estimates.observe(draft.source if self._free_turn else None, predicted=self._predicted,
+                                   accepted=record.accepted, positions=record.num_drafted + 1,
+                                   wall_seconds=record.end - record.start, steady=self._steady)
+        if not self._free_turn and self.model is not None:
+            self.model.settle(step, draft, outcome)
+
+    def close(self, committed: list[int]) -> None:
+        self.free.close(committed)
+        if self.model is not None:
+            self.model.close(committed)
+
+
+def _beside_look_ahead(draft: Draft) -> bool:
+    return draft.plan is not None and draft.plan.step_ahead
