@@ -117,7 +117,7 @@ def _suffix(run: Run, context: DraftingContext) -> ModelFreeDrafts:
 def _hybrid(run: Run, context: DraftingContext) -> DraftingStrategy:
     """Model-free or model per iteration. A seeded request asks for replay: its model-free side is its
     own n-grams (lookup) and its choice reads no timings (hybrid module docstring)."""
-    seeded = not run.settings.adaptive
+    seeded = run.settings.seeded
     free = _lookup(run, context) if seeded else _suffix(run, context)
     model = _model(run, context) if context.has_drafter else None
     estimates = context.source_estimates if context.source_estimates is not None else SourceEstimates()
