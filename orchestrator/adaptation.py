@@ -423,6 +423,16 @@ class DrafterCallTimes:
 
 
 CALIBRATION_PRIOR = 4.0  # pseudo-tokens pulling a source's accepted ÷ predicted towards 1
+# Predicted tokens' worth of the orchestrator-wide c_s in one request's own estimate: after a few
+# drafts the request's own record decides (prose beside grounded work must not borrow its c_s).
+REQUEST_PRIOR = 4.0
+
+
+def request_calibration(shared: float, predicted: float, accepted: float,
+                        prior: float = REQUEST_PRIOR) -> float:
+    """c_s for one request: its own accepted ÷ predicted tokens, shrunk towards the shared c_s with
+    `prior` predicted tokens' weight (the shared value alone before the request has drafted)."""
+    return (accepted + prior * shared) / (predicted + prior)
 
 
 @dataclass

@@ -121,7 +121,8 @@ def _hybrid(run: Run, context: DraftingContext) -> DraftingStrategy:
     free = _lookup(run, context) if seeded else _suffix(run, context)
     model = _model(run, context) if context.has_drafter else None
     estimates = context.source_estimates if context.source_estimates is not None else SourceEstimates()
-    return HybridDrafts(free, model, estimates, timed=not seeded)
+    return HybridDrafts(free, model, estimates, timed=not seeded,
+                        sampled=run.settings.sampling.temperature > 0)
 
 
 def _cache_of_one_run(config: OrchestratorConfig) -> SuffixCache:

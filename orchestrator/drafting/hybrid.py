@@ -2,21 +2,22 @@
 more tokens per second than the draft model's best choice (which may itself be a target-only step),
 else it does what the model strategy plans. With no draft model: model-free or target-only.
 
-The choice reads the proposal (its tokens and their estimated probabilities), the orchestrator's
-measured worth of each model-free source (adaptation.SourceEstimates: accepted ÷ predicted, and the
-wall time by verified positions) and the model strategy's own estimate (its online draft length,
-adaptation.DraftLength). It is made from the committed prefix and finished iterations only, before
-the target's pass reads the draft, so it keeps the output's law like any draft length does
-(docs/algorithms.md §8, §15). A seeded request asks for replay, so its choice reads no timings and
-no other request: the request's own n-grams (lookup) when they promise at least
-SEEDED_MIN_EXPECTED tokens, else the model.
+The choice reads the proposal (its tokens and their estimated probabilities), the measured worth of
+each model-free source (accepted ÷ predicted tokens: the request's own record, shrunk towards the
+orchestrator's record for requests of its kind, greedy or sampled, adaptation.request_calibration),
+the wall time by verified positions (adaptation.SourceEstimates) and the model strategy's own estimate
+(its online draft length, adaptation.DraftLength). It is made from the committed prefix and finished
+iterations only, before the target's pass reads the draft, so it keeps the output's law like any
+draft length does (docs/algorithms.md §8, §15). A seeded request asks for replay, so its choice
+reads no timings and no other request: the request's own n-grams (lookup) when they promise at
+least SEEDED_MIN_EXPECTED tokens, else the model.
 """
 
 from __future__ import annotations
 
 import math
 
-from orchestrator.adaptation import PRIOR_SLOPE, STEADY_CATCH_UP, SourceEstimates
+from orchestrator.adaptation import PRIOR_SLOPE, STEADY_CATCH_UP, SourceEstimates, request_calibration
 from orchestrator.drafting.base import Draft, Drafting, DraftingStrategy, Plan, Step, verify_draft
 from orchestrator.drafting.model_free import ModelFreeDrafts
 from specdec.engine.api import VerifyOutcome
@@ -29,11 +30,15 @@ class HybridDrafts(Drafting):
     """Model-free, model or target-only, per iteration (module docstring)."""
 
     def __init__(self, free: ModelFreeDrafts, model: DraftingStrategy | None, estimates: SourceEstimates, *,
-                 timed: bool) -> None:
+                 timed: bool, sampled: bool = False) -> None:
         self.free = free
         self.model = model
         self.estimates = estimates
         self.timed = timed  # False: a seeded request (no timings in the choice)
+        # Greedy and sampled requests accept a draft differently: their records are kept apart.
+        self.kind = "sampled" if sampled else "greedy"
+        self.own_predicted: dict[str, float] = {}  # this request's model-free drafts, by source
+        self.own_accepted: dict[str, float] = {}
         self._free_turn = False  # this iteration's plan came from the model-free source
         self._predicted = 0.0  # the proposal's own expected accepted tokens
         self._steady = True
@@ -56,7 +61,7 @@ class HybridDrafts(Drafting):
         if not self.timed:
             return proposal if proposal.expected_accepted() >= SEEDED_MIN_EXPECTED else None
         est = self.estimates
-        calibration = est.calibration(proposal.source)
+        calibration = self.calibration(proposal.source)
         step_seconds = est.iteration_seconds(1)
         measured = math.isfinite(step_seconds)
         best_m, best_rate, expected = 0, -math.inf, 0.0
@@ -74,6 +79,14 @@ class HybridDrafts(Drafting):
         if best_rate <= other:
             return None
         return proposal.truncated(best_m)
+
+    def calibration(self, source: str) -> float:
+        """c_s for this request: its own record shrunk towards the orchestrator's for its kind."""
+        return request_calibration(self.estimates.calibration(self._key(source)),
+                                   self.own_predicted.get(source, 0.0), self.own_accepted.get(source, 0.0))
+
+    def _key(self, source: str) -> str:
+        return f"{source}:{self.kind}"
 
     def model_rate(self) -> float:
         """The model strategy's expected tokens per second at its best draft length (nan: unknown)."""
@@ -94,9 +107,13 @@ class HybridDrafts(Drafting):
         record = step.record
         alone = self._free_turn or self.model is None or (draft.target_only and not _beside_look_ahead(draft))
         if alone and not draft.fallback:  # an iteration without the draft model: what W(n) measures
-            self.estimates.observe(draft.source if self._free_turn else None, predicted=self._predicted,
+            source = draft.source if self._free_turn else None
+            self.estimates.observe(self._key(source) if source else None, predicted=self._predicted,
                                    accepted=record.accepted, positions=record.num_drafted + 1,
                                    wall_seconds=record.end - record.start, steady=self._steady)
+            if source:
+                self.own_predicted[source] = self.own_predicted.get(source, 0.0) + self._predicted
+                self.own_accepted[source] = self.own_accepted.get(source, 0.0) + record.accepted
         if not self._free_turn and self.model is not None:
             self.model.settle(step, draft, outcome)
 
