@@ -135,6 +135,17 @@ class OrchestratorConfig(BaseSettings):
     # evicting each other's sessions, under a burst.
     max_active_requests: int = Field(64, ge=1)
     queue_timeout_s: float = Field(60.0, ge=0.0)
+    # A caller (its token or certificate, else its address) may have at most this many requests open at
+    # once, queued and paused ones included; more are refused at once with Overloaded (RESOURCE_EXHAUSTED,
+    # HTTP 429). 0: no cap, the default, since anonymous clients behind one address (loopback, a proxy,
+    # a NAT) would share one cap; set it where callers have tokens or certificates.
+    max_requests_per_caller: int = Field(0, ge=0)
+    # Streamed responses (gRPC GenerateStream/ResumeStream, HTTP SSE): a run whose reader has not
+    # taken its last chunk pauses between iterations and hands its request slot on (admission.paced);
+    # a reader that takes nothing, or a write to it that does not complete, for this many seconds gets
+    # its stream closed, its run freed (lease, sessions) and resumable. 0: never closed for idleness
+    # (paused streams still give their slots back).
+    stream_idle_timeout_s: float = Field(30.0, ge=0.0)
 
     # After the drafter was unreachable, run target-only steps and retry it this often.
     drafter_retry_seconds: float = Field(1.0, ge=0.0)
@@ -148,6 +159,12 @@ class OrchestratorConfig(BaseSettings):
     # write one record. A record left by a dead orchestrator can be resumed once the lease runs out;
     # one whose run was closed (client gone) at once. Keep it well above an iteration's duration.
     resume_lease_seconds: float = Field(10.0, gt=0.0)
+    # Each store (Redis) operation as a whole, connecting included: a hung Redis fails a call after
+    # this long (UNAVAILABLE) instead of stalling it (docs/reliability.md "When Redis hangs").
+    store_timeout_s: float = Field(2.0, gt=0.0)
+    # A running request whose saves fail generates on, its chunks held back until a save succeeds;
+    # after this long without one it stops UNAVAILABLE, resumable from its last saved progress.
+    store_outage_grace_s: float = Field(30.0, ge=0.0)
 
     # How Verify carries the draft rows (docs/algorithms.md §12). "lean": for the methods whose rule
     # reads whole rows only on a rejection (token, rd, gsd-tree; the registry's `lean_rows`), each

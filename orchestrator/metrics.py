@@ -43,6 +43,9 @@ served model name (OrchestratorMetrics(model=...) or set_model(...), read at eac
   specdec_queued_requests                           requests waiting for a slot
   specdec_rejected_requests_total                   requests refused (Overloaded) after --queue-timeout
   specdec_request_slots                             the limit, --max-active-requests
+  specdec_paused_streams                            streams paused without a slot (reader behind)
+  specdec_idle_closed_streams_total                 streams closed after --stream-idle-timeout unread
+  specdec_caller_refused_requests_total             requests refused by --max-requests-per-caller
   specdec_dependency_up{dependency}                 verifier / drafter / store answering and compatible
   specdec_serving                                   1 while gRPC health says SERVING (orchestrator.health)
   specdec_drafter_timeouts_total                    drafter calls abandoned after their deadline
@@ -566,6 +569,12 @@ _ADMISSION_STATS = {
     "rejected": ("specdec_rejected_requests", "Requests refused with RESOURCE_EXHAUSTED after waiting "
                  "--queue-timeout for a slot.", "counter"),
     "limit": ("specdec_request_slots", "Requests that may run at once (--max-active-requests).", "gauge"),
+    "paused": ("specdec_paused_streams", "Streams paused without a slot: their reader has not taken the "
+               "last chunk.", "gauge"),
+    "idle_closed": ("specdec_idle_closed_streams", "Streams closed (resumable) after their reader took "
+                    "nothing for --stream-idle-timeout.", "counter"),
+    "caller_refused": ("specdec_caller_refused_requests", "Requests refused with RESOURCE_EXHAUSTED by "
+                       "--max-requests-per-caller.", "counter"),
 }
 
 

@@ -4,9 +4,16 @@
 orchestrator.speculation.Orchestrator provides it), and a MonitoredBackend to have its health follow
 its dependencies. `owner` is the caller's identity
 (specdec.rpc.security.caller_identity: its bearer token or client certificate, as a digest): the
-stored request is bound to it, so only the same identity can resume it. Errors map to status codes
-as documented in specdec/rpc/grpc_support.py; a lost verifier or request store (PeerUnavailable)
-becomes UNAVAILABLE.
+stored request is bound to it, so only the same identity can resume it; the per-caller cap counts
+the call under it, or under the peer's address for an anonymous caller (admission.CALLER_KEY).
+Errors map to status codes as documented in specdec/rpc/grpc_support.py; a lost verifier or request
+store (PeerUnavailable) becomes UNAVAILABLE.
+
+A streamed answer's run is paced by this door's writes (admission.paced): a client that reads nothing,
+so that gRPC's flow control holds a write, has its run paused without a request slot and, after the
+orchestrator's stream_idle_timeout_s, closed (freed and resumable); the client gets RESOURCE_EXHAUSTED
+after the chunks already sent once it reads again. The handlers stay async generators, which server
+interceptors that wrap streaming handlers (OpenTelemetry's) require.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any, Protocol, TypeGuard
 
 import grpc
 
+from orchestrator.admission import CALLER_KEY
 from orchestrator.health import HealthMonitor, Monitored, ServingGate
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult
@@ -29,7 +37,7 @@ from specdec.rpc.grpc_support import (
     serve_until_signal,
     start_server,
 )
-from specdec.rpc.security import caller_identity
+from specdec.rpc.security import ANONYMOUS, caller_identity
 from specdec.rpc.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -80,7 +88,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerationRequest, context
     ) -> generation_pb2.GenerationResult:
         result = await self.orchestrator.generate(
-            generation_convert.generation_request_from_proto(request), owner=caller_identity(context)
+            generation_convert.generation_request_from_proto(request), owner=_caller(context)
         )
         return generation_convert.generation_result_to_proto(result)
 
@@ -89,7 +97,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerationRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
         stream = self.orchestrator.generate_stream(
-            generation_convert.generation_request_from_proto(request), owner=caller_identity(context)
+            generation_convert.generation_request_from_proto(request), owner=_caller(context)
         )
         async with contextlib.aclosing(_chunks(stream)) as chunks:
             async for chunk in chunks:
@@ -100,7 +108,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.ResumeRequest, context
     ) -> generation_pb2.GenerationResult:
         result = await self.orchestrator.resume(
-            generation_convert.resume_request_from_proto(request), owner=caller_identity(context)
+            generation_convert.resume_request_from_proto(request), owner=_caller(context)
         )
         return generation_convert.generation_result_to_proto(result)
 
@@ -109,11 +117,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.ResumeRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
         stream = self.orchestrator.resume_stream(
-            generation_convert.resume_request_from_proto(request), owner=caller_identity(context)
+            generation_convert.resume_request_from_proto(request), owner=_caller(context)
         )
         async with contextlib.aclosing(_chunks(stream)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+
+def _caller(context: grpc.aio.ServicerContext) -> str:
+    """The caller's identity (its owner string), with the per-caller cap's key set for this call:
+    the identity, or "peer:<address>" (port left out) for an anonymous caller."""
+    owner = caller_identity(context)
+    CALLER_KEY.set(owner if owner != ANONYMOUS else f"peer:{_address(context.peer() or '')}")
+    return owner
+
+
+def _address(peer: str) -> str:
+    """ "ipv4:127.0.0.1:5000" → "ipv4:127.0.0.1", "ipv6:[::1]:5000" → "ipv6:[::1]"; others as they are."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in rest:
+        return f"{kind}:{rest.rsplit(':', 1)[0]}"
+    return peer
 
 
 async def _chunks(

@@ -12,6 +12,7 @@ Why the loop is exact whatever it decides: docs/algorithms.md §8.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from orchestrator import scheduling
 from orchestrator.accounting import CALIBRATION_FLUSH_ITERATIONS, account, flush_calibration
 from orchestrator.adaptation import PairEstimates, SourceEstimates
-from orchestrator.admission import RequestSlots
+from orchestrator.admission import CALLER_KEY, CallerLimit, RequestSlots, paced
 from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.drafting import DraftingContext, strategy_for
@@ -33,7 +34,7 @@ from orchestrator.probes import IterationProbe, LoopObserver, RequestProbe
 from orchestrator.request_checks import check_prompt, check_request, check_request_id
 from orchestrator.run import Run, new_run
 from orchestrator.sessions import RunSessions
-from orchestrator.store import RequestRecord, Store, open_store
+from orchestrator.store import RequestRecord, Store, StoreOutage, open_store
 from orchestrator.timeline import Timeline
 from specdec.engine.api import ModelInfo, TextCursor
 from specdec.errors import AlreadyExists, InvalidRequest, NotFound, StillRunning, StoreUnavailable
@@ -43,6 +44,7 @@ from specdec.model_free import SuffixCache
 from specdec.rpc.security import ANONYMOUS
 
 log = logging.getLogger(__name__)
+FINAL_SAVE_RETRY_S = 0.25  # between tries of a finished request's save while the store is down
 
 
 class Orchestrator:
@@ -65,11 +67,13 @@ class Orchestrator:
         observer: LoopObserver | None = None,
     ) -> None:
         config = config or OrchestratorConfig()
-        self.store = store if store is not None else open_store(config.store_url, config.request_ttl_seconds)
+        self.store = store if store is not None else open_store(config.store_url, config.request_ttl_seconds,
+                                                                config.store_timeout_s)
         self.link = EngineLink(drafter, verifier, config, self.store)
         self.on_iteration = on_iteration
         self.observer = observer
         self.admission = RequestSlots(config.max_active_requests, config.queue_timeout_s)
+        self.callers = CallerLimit(config.max_requests_per_caller)
         self._estimates: dict[str, PairEstimates] = {}  # per model pair and method (adaptation.py)
         # Model-free drafting (orchestrator.drafting): the cache of recent requests' tokens, per process
         # (per replica), and what each model-free source has been worth.
@@ -137,14 +141,32 @@ class Orchestrator:
         self, request: GenerationRequest, *, owner: str = ANONYMOUS
     ) -> AsyncIterator[GenerationChunk]:
         """The request's chunks; it first waits for a request slot (Overloaded when none frees up in
-        time), held until the stream ends or is closed. Its record is created bound to `owner` (the
-        caller's identity, specdec.rpc.security): a request_id that already has one is refused
-        (AlreadyExists), whoever owns it, and its stored progress is left as it was."""
-        async with self.admission.slot():
-            if self.target_info is None:
-                await self.start()
-            run = await self._new_run(request, owner)
-            async with contextlib.aclosing(self._run(run)) as chunks:  # closed with this stream
+        time), held while the run runs: a run whose reader falls behind pauses and gives its slot
+        back (admission.paced), and one whose stream is closed ends at once. Its record is created
+        bound to `owner` (the caller's identity, specdec.rpc.security), in owner's namespace of
+        request ids: an id that owner already used is refused (AlreadyExists) and its stored progress
+        left as it was; another owner's record of the same id is neither seen nor touched."""
+        async with contextlib.aclosing(self._paced(self._generate(request, owner), owner,
+                                                   request.request_id)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _generate(self, request: GenerationRequest, owner: str) -> AsyncIterator[GenerationChunk]:
+        if self.target_info is None:
+            await self.start()
+        run = await self._new_run(request, owner)
+        async with contextlib.aclosing(self._run(run)) as chunks:  # closed with this stream
+            async for chunk in chunks:
+                yield chunk
+
+    async def _paced(self, source: AsyncIterator[GenerationChunk], owner: str,
+                     name: str | None) -> AsyncIterator[GenerationChunk]:
+        """`source` under the caller's cap (CallerLimit, counted under the CALLER_KEY a door set for its
+        call, else `owner`) and paced by its reader (admission.paced): it holds a request slot only
+        while it runs, and is closed after stream_idle_timeout_s without a chunk taken."""
+        with self.callers.hold(CALLER_KEY.get() or owner):
+            async with contextlib.aclosing(paced(source, self.admission, name=name or "",
+                                                 idle_timeout_s=self.config.stream_idle_timeout_s)) as chunks:
                 async for chunk in chunks:
                     yield chunk
 
@@ -164,25 +186,30 @@ class Orchestrator:
         if not request_id:
             raise InvalidRequest("request_id: give the id of the stored request to resume")
         check_request_id(request_id, self.config.max_request_id_chars)  # before the store reads it
-        async with self.admission.slot():
-            if self.target_info is None:
-                await self.start()
-            record = await self.store.get_request(request_id)
-            if record is None or record.owner != owner:
-                raise NotFound(f"request_id: no stored request {request_id!r}")
-            run = Run.from_record(record)
-            state = run.state
-            if record.status == "done":
-                state.finish_reason = record.finish_reason or "length"
-                state.text = record.text
-                yield GenerationChunk(list(state.generated), state.text, run.result())
-                return
-            await self._resume_text(run)
-            await self._claim(run, record)
-            stored = GenerationChunk(list(state.generated), state.text) if state.generated else None
-            async with contextlib.aclosing(self._run(run, stored)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+        async with contextlib.aclosing(self._paced(self._resume(request_id, owner), owner,
+                                                   request_id)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _resume(self, request_id: str, owner: str) -> AsyncIterator[GenerationChunk]:
+        if self.target_info is None:
+            await self.start()
+        record = await self.store.get_request(request_id, owner)  # only owner's ids are seen
+        if record is None or record.owner != owner:
+            raise NotFound(f"request_id: no stored request {request_id!r}")
+        run = Run.from_record(record)
+        state = run.state
+        if record.status == "done":
+            state.finish_reason = record.finish_reason or "length"
+            state.text = record.text
+            yield GenerationChunk(list(state.generated), state.text, run.result())
+            return
+        await self._resume_text(run)
+        await self._claim(run, record)
+        stored = GenerationChunk(list(state.generated), state.text) if state.generated else None
+        async with contextlib.aclosing(self._run(run, stored)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _resume_text(self, run: Run) -> None:
         """The stored tokens' text, settled up to the last whole character, and the TextCursor the
@@ -198,10 +225,13 @@ class Orchestrator:
         state.text_cursor = TextCursor(start, start + read, start + read)
 
     def admission_stats(self) -> dict[str, int]:
-        """Requests running, waiting for a slot, refused so far, and the limit (read by /metrics)."""
+        """Requests running, waiting for a slot, refused so far, and the limit; streams paused for their
+        reader (no slot held), closed after the idle timeout, and refused by the per-caller cap (read by
+        /metrics)."""
         slots = self.admission
         return {"active": slots.active, "waiting": slots.waiting, "rejected": slots.rejected,
-                "limit": slots.limit}
+                "limit": slots.limit, "paused": slots.paused, "idle_closed": slots.idle_closed,
+                "caller_refused": self.callers.refused}
 
     # request set-up ----------------------------------------------------------------------------
     async def _new_run(self, request: GenerationRequest, owner: str) -> Run:
@@ -291,6 +321,8 @@ class Orchestrator:
 
         The record is saved before each chunk is yielded. A consumer that goes away (or an
         orchestrator that dies) leaves it "running" with everything produced so far: resumable.
+        While the store fails, the run generates on and its chunks wait for a save that succeeds,
+        for at most store_outage_grace_s (_save_through; docs/reliability.md "When Redis hangs").
         """
         state = run.state
         seconds_before = state.stats.seconds
@@ -301,30 +333,34 @@ class Orchestrator:
             self.config, lambda: self._pair_estimates(method), has_drafter=self.drafter is not None,
             suffix_cache=self.suffix_cache, source_estimates=self.source_estimates))
         error: BaseException | None = None
+        outage = StoreOutage(self.config.store_outage_grace_s)
+        sent = len(state.generated)  # the tokens the client has (a resume's first chunk carries them)
         if self.observer is not None:
             run.probe = _observe_start(run, self.observer)
         try:
             if context_full(run, self.link.max_context()):  # e.g. a resumed request that filled the window
                 state.finish_reason = "length"
-                await self._save(run, "done")
+                await self._save_through(run, True, outage)
                 yield GenerationChunk([], text_delta(run, True), run.result())
                 return
             while True:
-                before = len(state.generated)
                 await self._iteration(run, sessions, drafting)
                 state.stats.seconds = seconds_before + time.perf_counter() - state.perf0
                 final = run.finished
-                await self._save(run, "done" if final else "running")
+                if not await self._save_through(run, final, outage):
+                    continue  # the store is down: generate on; the chunk waits for a save that succeeds
                 if state.stats.iterations % CALIBRATION_FLUSH_ITERATIONS == 0:
                     await flush_calibration(state.calibration, self.store, self.pair_key)
-                yield GenerationChunk(state.generated[before:], text_delta(run, final),
+                yield GenerationChunk(state.generated[sent:], text_delta(run, final),
                                       run.result() if final else None)
+                sent = len(state.generated)
                 if final:
                     return
         except Exception as exc:
             error = exc
             try:
-                await self._save(run, "failed", error=f"{type(exc).__name__}: {exc}")
+                if not outage.active:  # in an outage the last saved record stays, resumable
+                    await self._save(run, "failed", error=f"{type(exc).__name__}: {exc}")
             except StoreUnavailable:  # the store is what failed (it logs its outage once); raise exc
                 pass
             except Exception:
@@ -336,7 +372,8 @@ class Orchestrator:
             except Exception:  # the suffix cache is an optimisation: never fail a request for it
                 log.exception("drafting strategy failed to close for request %s", run.request_id)
             await sessions.close()
-            await flush_calibration(state.calibration, self.store, self.pair_key)
+            if not outage.active:  # else the counts are dropped, as in any outage, without a wait
+                await flush_calibration(state.calibration, self.store, self.pair_key)
             if run.probe is not None:
                 _observe_end(run, run.probe, error)
 
@@ -378,6 +415,27 @@ class Orchestrator:
         return target_only_draft(step, fallback=plan is not None)
 
     # records and observers ---------------------------------------------------------------------
+    async def _save_through(self, run: Run, final: bool, outage: StoreOutage) -> bool:
+        """Save the iteration's progress through a store outage. True: saved, its chunk may go out.
+        False: the store failed (within the grace: the run generates on, its record dirty, and the
+        next iteration saves again). A final record is retried until it is saved, since the final
+        chunk never goes out unsaved. Past the grace: StoreUnavailable (UNAVAILABLE), the record
+        as last saved (resumable; every token the client got is in it, since chunks wait for saves)."""
+        while True:
+            try:
+                await self._save(run, "done" if final else "running")
+            except StoreUnavailable:
+                outage.failed()  # raises once the outage has lasted the grace
+                if not final:
+                    return False
+                await asyncio.sleep(min(FINAL_SAVE_RETRY_S, outage.left()))
+                continue
+            if outage.active:
+                log.info("request %s saved again after a store outage of %.1f s", run.request_id,
+                         outage.lasted())
+                outage.ended()
+            return True
+
     async def _save(self, run: Run, status: str, error: str | None = None) -> None:
         """Write the run's progress; a run whose record another run has taken over (it stalled past
         its lease and the request was resumed) stops here with StillRunning."""

@@ -23,11 +23,16 @@ Nothing here is imported by specdec/ (the core): the orchestrator loop calls a d
 observer (`LoopObserver` below) and the service adapters call `observe(...)` on their
 observers, so with tracing off nothing of this runs at all. `configure_tracing` returns None
 when there is nowhere to send spans, and callers then install no interceptor and no observer.
+
+OpenTelemetry itself is imported only where spans are made, i.e. once configure_tracing returned a
+Tracing: with tracing off the services run without the opentelemetry packages (docs/gpu.md, "What
+the services need"); asked for without them, configure_tracing raises TracingUnavailable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -37,10 +42,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-
-from opentelemetry import context as otel_context
-from opentelemetry import trace as otel_trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from orchestrator.probes import IterationProbe, LoopObserver, RequestProbe
 from specdec.defaults import MODEL_SOURCE
@@ -139,6 +140,29 @@ def _safely(fn: Any, *args: Any) -> None:
 
 
 # ============================================================================ set-up
+
+# What tracing imports (module → the package that installs it): not needed unless tracing is on.
+TRACING_PACKAGES = {"opentelemetry.sdk": "opentelemetry-sdk",
+                    "opentelemetry.instrumentation.grpc": "opentelemetry-instrumentation-grpc"}
+OTLP_PACKAGES = {"opentelemetry.exporter.otlp": "opentelemetry-exporter-otlp"}
+
+
+class TracingUnavailable(ValueError):
+    """Tracing was asked for (a trace file, an OTLP endpoint, OTEL_* variables) but the OpenTelemetry
+    packages are not installed; the message names the packages and how tracing was asked for."""
+
+
+def missing_packages(modules: Mapping[str, str]) -> list[str]:
+    """The packages of `modules` (module → package) that cannot be imported here (without importing them)."""
+    missing = []
+    for module, package in modules.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # a parent package is missing
+            found = False
+        if not found and package not in missing:
+            missing.append(package)
+    return missing
 
 
 @dataclass
@@ -270,6 +294,15 @@ def configure_tracing(
     console = "console" in _env_list("OTEL_TRACES_EXPORTER")
     if trace_file is None and otlp is None and not console:
         return None
+    absent = missing_packages({**TRACING_PACKAGES, **(OTLP_PACKAGES if otlp is not None else {})})
+    if absent:
+        asked = [what for what, on in (("--trace-file", trace_file is not None),
+                                       ("--otlp-endpoint / OTEL_EXPORTER_OTLP_* / OTEL_TRACES_EXPORTER",
+                                        otlp is not None),
+                                       ("OTEL_TRACES_EXPORTER=console", console)) if on]
+        raise TracingUnavailable(f"tracing ({', '.join(asked)}) needs the Python package(s) "
+                                 f"{', '.join(absent)}, not installed: pip install {' '.join(absent)}, "
+                                 "or run without tracing")
 
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -455,6 +488,8 @@ class LoopTracer:
 
     def request_started(self, request_id: str, epoch: Callable[[float], float],
                         attributes: Mapping[str, Any]) -> _RequestSpan:
+        from opentelemetry.trace import SpanKind
+
         span = self.tracer.start_span(REQUEST_SPAN, kind=SpanKind.INTERNAL)
         _set(span, {"specdec.request_id": request_id,
                     **{f"specdec.{k}": _attr(v) for k, v in attributes.items()},
@@ -471,6 +506,8 @@ def _attr(value: Any) -> Any:
 
 
 def _error_status(span: Any, error: BaseException) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
     span.record_exception(error)
     span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
 
@@ -478,6 +515,8 @@ def _error_status(span: Any, error: BaseException) -> None:
 class _RequestSpan:
     def __init__(self, tracer: Any, span: Any, epoch: Callable[[float], float],
                  output_tokens: int = 0) -> None:
+        from opentelemetry import trace as otel_trace
+
         self.tracer = tracer
         self.span = span
         self.epoch = epoch
@@ -486,6 +525,9 @@ class _RequestSpan:
 
     @contextmanager
     def iteration(self, index: int, start: float) -> Iterator[_IterationSpan]:
+        from opentelemetry import trace as otel_trace
+        from opentelemetry.trace import SpanKind
+
         span = self.tracer.start_span(ITERATION_SPAN, context=self.context, kind=SpanKind.INTERNAL,
                                       attributes={"specdec.iteration": index},
                                       start_time=_ns(self.epoch(start)))
@@ -544,12 +586,18 @@ class _IterationSpan:
 
     def call_started(self, kind: str, op: str, start: float) -> tuple[Any, Any]:
         # A child of the current span: this iteration's (calls run inside iteration()).
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace as otel_trace
+        from opentelemetry.trace import SpanKind
+
         span = self.tracer.start_span(CALL_SPANS.get(kind, f"specdec.{kind}"), kind=SpanKind.INTERNAL,
                                       attributes={"specdec.call": op}, start_time=_ns(self.epoch(start)))
         token = otel_context.attach(otel_trace.set_span_in_context(span))
         return span, token
 
     def call_finished(self, token: tuple[Any, Any], end: float, error: BaseException | None) -> None:
+        from opentelemetry import context as otel_context
+
         span, context_token = token
         otel_context.detach(context_token)
         if error is not None:
@@ -605,13 +653,15 @@ class EngineSpans:
                 start_ns: int, end_ns: int) -> None:
         if rpc not in ("Draft", "Lookahead", "Score", "Verify"):
             return
+        from opentelemetry import trace as otel_trace
+        from opentelemetry.trace import SpanKind
+
         name = f"{self.role}.{rpc.lower()}"
         span = self.tracer.start_span(name, kind=SpanKind.INTERNAL, start_time=start_ns,
                                       attributes=_request_attributes(request))
         ctx = otel_trace.set_span_in_context(span)
         if error is not None:
-            span.record_exception(error)
-            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            _error_status(span, error)
         elif result is None:
             pass  # Score returns nothing: the call span is the forward pass
         elif rpc in ("Draft", "Lookahead"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -39,3 +41,17 @@ def use_draft_rows(monkeypatch: Any, mode: str) -> None:
             super().__init__(*args, **{**kwargs, "draft_rows": mode})
 
     monkeypatch.setattr(speculation, "RunSessions", Sessions)
+
+
+# The torch device of the tests that take one (marked `device`, tests/conftest.py): "cpu" unless
+# SPECDEC_TEST_DEVICE (or pytest --test-device) names another, e.g. "cuda" on the GPU machine.
+TEST_DEVICE_VARIABLE = "SPECDEC_TEST_DEVICE"
+_DEVICE_SPELLING = re.compile(r"cpu|cuda(:\d+)?|mps")
+
+
+def device_under_test() -> str:
+    """SPECDEC_TEST_DEVICE, default "cpu"; ValueError on a spelling torch would not take."""
+    device = os.environ.get(TEST_DEVICE_VARIABLE, "").strip() or "cpu"
+    if not _DEVICE_SPELLING.fullmatch(device):
+        raise ValueError(f"{TEST_DEVICE_VARIABLE}={device!r}: not a device (cpu, cuda, cuda:N or mps)")
+    return device

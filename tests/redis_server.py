@@ -1,13 +1,17 @@
 """A redis-server of a test's own, on a free loopback port, that the test can kill and restart
-(the session-wide `redis_url` fixture of tests/orchestrator/conftest.py must stay up for others)."""
+(the session-wide `redis_url` fixture of tests/orchestrator/conftest.py must stay up for others),
+or pause (SIGSTOP) to hang it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,6 +70,17 @@ class RedisServer:
                     time.sleep(0.05)
         finally:
             client.close()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """SIGSTOP for the block, SIGCONT after it (whatever happens): a hung Redis, which accepts
+        connections (the kernel does) but answers nothing."""
+        assert self.proc is not None and self.proc.poll() is None, "start the server first"
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         """kill -9, as an outage would."""

@@ -3,8 +3,11 @@
 The engine (specdec.engine.verifier.VerifierEngine or anything with VerifierBackend's methods) is
 synchronous; calls run in a worker pool so the event loop keeps serving health checks and
 other sessions. Tokenize and Decode have a pool of their own: a long text never waits in front
-of the forward passes of Score and Verify (with --no-batching their pool has one worker). Errors
-map to status codes as documented in specdec/rpc/grpc_support.py.
+of the forward passes of Score and Verify (with --no-batching their pool has one worker). An
+ApplyChatTemplate with the caller's own template runs in a third pool (its render is bounded and
+happens in a child process, specdec.runtime.chat_template), so a template that takes its full time
+never holds a Tokenize or Decode thread. Errors map to status codes as documented in
+specdec/rpc/grpc_support.py.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import grpc
 
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.engine.api import MAX_TREE_NODES, ModelInfo, ScoreRequest, VerifyOutcome, VerifyRequest
-from specdec.errors import ContextTooLong, InvalidRequest
+from specdec.errors import ContextTooLong, InvalidRequest, Overloaded
 from specdec.generation import ChatMessage
 from specdec.rpc import convert, generation_convert
 from specdec.rpc.grpc_support import (
@@ -39,6 +42,11 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_
 # Threads of the Tokenize/Decode pool. The engine encodes one text at a time (its tokenizer lock):
 # the second thread lets a Decode queue there rather than behind the engine's passes.
 TEXT_WORKERS = 2
+# Threads of the pool of ApplyChatTemplate calls that bring their own template (each waits on a child
+# process for at most its render timeout), and how many such calls may be in flight before more are
+# refused with RESOURCE_EXHAUSTED rather than queued without end.
+TEMPLATE_WORKERS = 2
+MAX_TEMPLATE_CALLS = 16
 
 
 class VerifierBackend(Protocol):
@@ -75,10 +83,14 @@ def check_counts(engine: VerifierBackend, name: str, tokens: int, nodes: int = 0
 
 class VerifierServicer(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer):
     def __init__(self, engine: VerifierBackend, executor: Executor | None = None,
-                 observers: Sequence[Any] = (), text_executor: Executor | None = None) -> None:
-        """`text_executor` runs Tokenize and Decode (default: `executor`, with the engine's passes)."""
+                 observers: Sequence[Any] = (), text_executor: Executor | None = None,
+                 template_executor: Executor | None = None) -> None:
+        """`text_executor` runs Tokenize and Decode (default: `executor`, with the engine's passes);
+        `template_executor` runs ApplyChatTemplate calls that bring a template (default: `text_executor`)."""
         super().__init__(engine, executor, observers)
         self.text_executor = text_executor if text_executor is not None else executor
+        self.template_executor = template_executor if template_executor is not None else self.text_executor
+        self._template_calls = 0  # in flight in template_executor (event-loop side: no lock needed)
 
     @guarded
     async def Score(self, request: verifier_pb2.ScoreRequest, context) -> verifier_pb2.ScoreResponse:
@@ -105,7 +117,18 @@ class VerifierServicer(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer
         check_counts(self.engine, "messages", len(request.messages))
         messages = generation_convert.chat_messages_from_proto(request.messages)
         template = request.chat_template if request.HasField("chat_template") else None
-        ids = await run_blocking(self.text_executor, self.engine.apply_chat_template, messages, template)
+        if not template:
+            ids = await run_blocking(self.text_executor, self.engine.apply_chat_template, messages, None)
+            return verifier_pb2.TokenizeResponse(token_ids=[int(i) for i in ids])
+        if self._template_calls >= MAX_TEMPLATE_CALLS:
+            raise Overloaded(f"chat templates: {MAX_TEMPLATE_CALLS} calls with their own template are "
+                             "already waiting to render; retry later")
+        self._template_calls += 1
+        try:
+            ids = await run_blocking(self.template_executor, self.engine.apply_chat_template, messages,
+                                     template)
+        finally:
+            self._template_calls -= 1
         return verifier_pb2.TokenizeResponse(token_ids=[int(i) for i in ids])
 
     @guarded
@@ -133,12 +156,15 @@ async def start_verifier_server(
     specdec.rpc.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
     observers: told about every engine call (tracing spans, metrics); see
     specdec.rpc.grpc_support.run_observed. Tokenize and Decode run in a pool of their own
-    (TEXT_WORKERS threads).
+    (TEXT_WORKERS threads), ApplyChatTemplate calls with their own template in another
+    (TEMPLATE_WORKERS threads).
     """
     text_executor = ThreadPoolExecutor(max_workers=TEXT_WORKERS, thread_name_prefix="verifier-text")
+    template_executor = ThreadPoolExecutor(max_workers=TEMPLATE_WORKERS,
+                                           thread_name_prefix="verifier-template")
     try:
         server, bound = await start_engine_server(
-            lambda executor: VerifierServicer(engine, executor, observers, text_executor),
+            lambda executor: VerifierServicer(engine, executor, observers, text_executor, template_executor),
             verifier_pb2_grpc.add_VerifierServiceServicer_to_server,
             SERVICE_NAME,
             host,
@@ -151,7 +177,9 @@ async def start_verifier_server(
         )
     except BaseException:
         text_executor.shutdown(wait=False)
+        template_executor.shutdown(wait=False)
         raise
     add_on_stop(server, functools.partial(text_executor.shutdown, wait=False))
+    add_on_stop(server, functools.partial(template_executor.shutdown, wait=False))
     return server, bound
 

@@ -16,6 +16,13 @@ route (GuardedRoute), so none reaches Starlette's ServerErrorMiddleware: that on
 uvicorn then logs a traceback and drops the keep-alive connection, for each bad request. The token
 is checked before the body is read. Refusals are logged once each, rate-limited, without a
 traceback unless the server is at fault (errors.RefusalLog).
+
+A streamed response (SSE, EventStream) is closed at once when its client goes away: the response
+closes its body whatever ends it, so the requests' runs end, their slots and engine sessions are
+freed and their records stay resumable. A client that reads nothing has its runs closed after the
+orchestrator's stream_idle_timeout_s (admission.paced) and its connection closed once a write has
+waited admission.DOOR_GRACE_S longer. The
+per-caller cap counts a request under the caller's identity, or its address when anonymous.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection,
 from dataclasses import replace
 from typing import Any, Protocol
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -36,7 +44,9 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
+from orchestrator.admission import CALLER_KEY, door_write_timeout
 from orchestrator.openai_http import responses
 from orchestrator.openai_http.errors import REFUSALS
 from orchestrator.openai_http.schemas import ChatCompletionRequest, CompletionRequest, json_kind, param_of
@@ -117,12 +127,17 @@ class GuardedRoute(APIRoute):
         async def guarded(request: Request) -> Response:
             try:
                 if not open_route:
-                    request.state.owner = request.app.state.door.owner(request)
+                    request.state.owner = owner = request.app.state.door.owner(request)
+                    CALLER_KEY.set(owner if owner != ANONYMOUS else f"peer:{_address(request)}")
                 return await handler(request)
             except Exception as exc:  # noqa: BLE001 - every error becomes its HTTP answer here
                 return refusal(request, exc)
 
         return guarded
+
+
+def _address(request: Request) -> str:
+    return request.client.host if request.client is not None else "unknown"
 
 
 def create_app(orchestrator: OpenAIBackend, *, served_model_name: str | None = None,
@@ -278,8 +293,10 @@ async def _respond(door: OpenAIFrontDoor, samples: list[GenerationRequest], owne
         await chunks.aclose()
         raise
     events = responses.StreamChunks(response_id, created, model, chat)
-    return StreamingResponse(_events(events, first, chunks, len(samples), prompts, include_usage),
-                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    config = getattr(orchestrator, "config", None)
+    return EventStream(_events(events, first, chunks, len(samples), prompts, include_usage),
+                       idle_timeout_s=float(getattr(config, "stream_idle_timeout_s", 0.0) or 0.0),
+                       name=response_id)
 
 
 async def _all_results(orchestrator: OpenAIBackend, samples: Sequence[GenerationRequest],
@@ -298,7 +315,7 @@ async def merged_chunks(streams: Sequence[AsyncIterator[GenerationChunk]],
     """(choice index, chunk) as the streams produce them, one at a time; an error of any ends the
     merge with it, and every stream is closed however the merge ends."""
     queue: asyncio.Queue[tuple[int, GenerationChunk | None, BaseException | None]] = asyncio.Queue(
-        maxsize=len(streams) * 4)
+        maxsize=len(streams))
 
     async def pump(index: int, stream: AsyncIterator[GenerationChunk]) -> None:
         try:
@@ -323,7 +340,9 @@ async def merged_chunks(streams: Sequence[AsyncIterator[GenerationChunk]],
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Shielded: a cancel scope that cancels this again (Starlette's on a disconnect) must not
+        # cancel the tasks twice, which would cut their streams' clean-up short.
+        await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
 
 
 async def _events(events: responses.StreamChunks, first: tuple[int, GenerationChunk],
@@ -354,6 +373,42 @@ async def _events(events: responses.StreamChunks, first: tuple[int, GenerationCh
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
     yield responses.DONE
+
+
+class _ReaderIdle(Exception):
+    """A write to the client waited longer than the idle timeout."""
+
+
+class EventStream(StreamingResponse):
+    """An SSE response whose body is closed however the response ends: all sent, the client gone
+    (Starlette cancels the sending on http.disconnect, and would leave the body unclosed had it been
+    waiting in a write), or a write that waits door_write_timeout(idle_timeout_s) because the client
+    reads nothing (its runs were closed after idle_timeout_s), after which the connection is closed.
+    Closing the body closes the requests' streams, so their runs, slots and engine sessions are freed
+    at once."""
+
+    def __init__(self, body: AsyncIterator[str], *, idle_timeout_s: float, name: str) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.body = body
+        self.idle_timeout_s = idle_timeout_s
+        self.name = name
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed_send(message: Message) -> None:
+            try:
+                async with asyncio.timeout(door_write_timeout(self.idle_timeout_s)):
+                    await send(message)
+            except TimeoutError:
+                raise _ReaderIdle() from None
+
+        try:
+            await super().__call__(scope, receive, timed_send)
+        except _ReaderIdle:  # uvicorn closes the connection of a response left incomplete
+            log.info("closed stream %s: its client read nothing for %g s", self.name,
+                     door_write_timeout(self.idle_timeout_s))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body.aclose()  # type: ignore[attr-defined]
 
 
 def http_error(exc: BaseException) -> tuple[int, str, str]:

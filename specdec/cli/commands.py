@@ -37,13 +37,16 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
     "Capacity, batching and store": (
         "--max-sessions", "--session-ttl", "--kv-cache-mb", "--admission-timeout", "--batching",
         "--max-batch-tokens", "--batch-window-ms", "--max-active-requests", "--queue-timeout",
-        "--request-ttl", "--max-prompt-bytes", "--store-url"),
+        "--request-ttl", "--max-prompt-bytes", "--store-url", "--store-timeout", "--store-outage-grace",
+        "--max-requests-per-caller", "--stream-idle-timeout"),
     "Security (TLS, tokens)": (
         "--tls-cert", "--tls-key", "--tls-client-ca", "--tls-require-client-cert", "--tls-ca",
         "--tls-client-cert", "--tls-client-key", "--tls-server-name", "--auth-token-file",
-        "--engine-token-file", "--token-file"),
-    "Observability": ("--trace-file", "--otlp-endpoint", "--metrics-port", "--metrics-host", "--log-level"),
-    "Process": ("--ready-file", "--log-dir", "--startup-timeout", "--drafter-restarts"),
+        "--engine-token-file", "--token-file", "--insecure-engine", "--max-chat-template-kb",
+        "--chat-template-timeout"),
+    "Observability": ("--trace-file", "--otlp-endpoint", "--metrics-port", "--metrics-host",
+                      "--metrics-token-file", "--metrics-tls", "--log-level"),
+    "Process": ("--ready-file", "--log-dir", "--startup-timeout", "--drafter-restarts", "--restarts"),
 }
 PANEL_OF = {flag: panel for panel, flags in HELP_PANELS.items() for flag in flags}
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from specdec.cli.commands import SpecdecCommand, SpecdecGroup
-from specdec.cli.common import CliError
+from specdec.cli.common import CliError, fail
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,13 @@ MetricsPortOpt = Annotated[int | None, typer.Option(
     "Default: no metrics endpoint.", show_default=False)]
 MetricsHostOpt = Annotated[str, typer.Option(
     "--metrics-host", help="Interface of the /metrics endpoint.")]
+MetricsTokenFileOpt = Annotated[Path | None, typer.Option(
+    "--metrics-token-file", help="/metrics answers 401 unless the scraper sends `Authorization: Bearer "
+    "<token>` with the token in this file (one line of printable ASCII; Prometheus: authorization.credentials"
+    "_file). Default: no token (fine on a loopback --metrics-host).", show_default=False)]
+MetricsTlsOpt = Annotated[bool, typer.Option(
+    "--metrics-tls", help="Serve /metrics over HTTPS with the service's --tls-cert and --tls-key (needs "
+    "them). Default: plain HTTP.")]
 
 
 @dataclass
@@ -126,10 +133,15 @@ class Observability:
 
 def setup_observability(role: str, *, trace_file: Path | str | None = None, otlp_endpoint: str | None = None,
                         metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                        service_name: str | None = None) -> Observability:
+                        service_name: str | None = None, metrics_token: str | None = None,
+                        metrics_cert: Path | None = None, metrics_key: Path | None = None,
+                        protected: bool = False) -> Observability:
     """Tracing (when a trace file or an OTLP endpoint is configured) and metrics (when a port is given).
 
     role: orchestrator | drafter | verifier | generate (the CLI client / in-process run).
+    metrics_token / metrics_cert + metrics_key: /metrics asks for the bearer token / speaks TLS.
+    protected: the service's own port uses TLS or tokens; then an open /metrics on a non-loopback
+    address is logged as a warning (it tells anyone the load, models and request counts).
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -148,15 +160,38 @@ def setup_observability(role: str, *, trace_file: Path | str | None = None, otlp
         else:
             obs._engine_metrics = metrics.EngineMetrics(obs.registry)
         try:
-            obs.metrics_server = metrics.start_metrics_server(metrics_port, metrics_host, obs.registry)
-        except OSError as exc:
+            if metrics_token is not None or metrics_cert is not None:
+                from orchestrator.metrics_endpoint import start_protected_metrics_server
+
+                obs.metrics_server = start_protected_metrics_server(
+                    metrics_port, metrics_host, obs.registry, token=metrics_token, certfile=metrics_cert,
+                    keyfile=metrics_key)
+            else:
+                obs.metrics_server = metrics.start_metrics_server(metrics_port, metrics_host, obs.registry)
+                warn_open_metrics(role, metrics_host, protected)
+        except (OSError, ValueError) as exc:
             obs.shutdown()
             raise OSError(f"could not serve metrics on {metrics_host}:{metrics_port}: {exc}") from None
     return obs
 
 
+def warn_open_metrics(role: str, host: str, protected: bool) -> str | None:
+    """Log (WARNING) and return the line for a /metrics without token or TLS on a non-loopback
+    address of a service whose own port is protected; None when there is nothing to say."""
+    from specdec.rpc.security import is_loopback
+
+    if not protected or is_loopback(host):
+        return None
+    message = (f"{role}: /metrics on {host} (not a loopback address) has no token and no TLS while the "
+               "service port has them: anyone who reaches it reads the load, models and request counts; "
+               "add --metrics-token-file (and --metrics-tls), or bind --metrics-host 127.0.0.1")
+    log.warning(message)
+    return message
+
+
 def child_args(role: str, *, trace_file: Path | str | None = None, otlp_endpoint: str | None = None,
-               metrics_port: int | None = None, metrics_host: str | None = None) -> list[str]:
+               metrics_port: int | None = None, metrics_host: str | None = None,
+               metrics_token_file: Path | None = None, metrics_tls: bool = False) -> list[str]:
     """The observability options `up` passes to its `serve ROLE` child (all children share one trace file)."""
     args: list[str] = []
     if trace_file is not None:
@@ -168,30 +203,66 @@ def child_args(role: str, *, trace_file: Path | str | None = None, otlp_endpoint
         args += ["--metrics-port", str(port)]
         if metrics_host is not None:
             args += ["--metrics-host", metrics_host]
+        if metrics_token_file is not None:
+            args += ["--metrics-token-file", str(Path(metrics_token_file).expanduser().resolve())]
+        if metrics_tls:
+            args.append("--metrics-tls")
     return args
 
 
 @dataclass
 class ObservabilityOptions:
-    """--trace-file / --otlp-endpoint / --metrics-port / --metrics-host as given on the command line."""
+    """--trace-file / --otlp-endpoint / --metrics-port / --metrics-host / --metrics-token-file /
+    --metrics-tls as given on the command line; `tls_cert` / `tls_key`: the service's, for --metrics-tls.
+    Built before anything loads: a bad token file exits 1, --metrics-tls without --tls-cert exits 2."""
 
     trace_file: Path | None = None
     otlp_endpoint: str | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    metrics_token_file: Path | None = None
+    metrics_tls: bool = False
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    metrics_token: str | None = field(default=None, init=False, repr=False)
 
-    def setup(self, role: str) -> Observability:
-        """Tracing and metrics of this process (setup_observability); CliError when it fails."""
+    def __post_init__(self) -> None:
+        if self.metrics_tls and (self.tls_cert is None or self.tls_key is None):
+            raise fail("--metrics-tls serves /metrics with the service's certificate: it needs --tls-cert "
+                       "and --tls-key", 2)
+        if self.metrics_token_file is not None:
+            from specdec.rpc.security import read_token_file
+
+            try:
+                self.metrics_token = read_token_file(self.metrics_token_file, "--metrics-token-file")
+            except ValueError as exc:
+                raise fail(str(exc)) from None
+
+    def setup(self, role: str, protected: bool = False) -> Observability:
+        """Tracing and metrics of this process (setup_observability); CliError when it fails, a usage
+        error (exit 2) when tracing is asked for without the OpenTelemetry packages."""
+        from orchestrator.tracing import TracingUnavailable
+        from specdec.cli import extras
+
+        if self.metrics_port is not None:
+            extras.require(extras.METRICS, "--metrics-port", "leave --metrics-port out")
         try:
             return setup_observability(role, trace_file=self.trace_file, otlp_endpoint=self.otlp_endpoint,
-                                       metrics_port=self.metrics_port, metrics_host=self.metrics_host)
+                                       metrics_port=self.metrics_port, metrics_host=self.metrics_host,
+                                       metrics_token=self.metrics_token,
+                                       metrics_cert=self.tls_cert if self.metrics_tls else None,
+                                       metrics_key=self.tls_key if self.metrics_tls else None,
+                                       protected=protected)
+        except TracingUnavailable as exc:
+            raise fail(f"{role}: {exc}", 2) from None
         except (OSError, ValueError) as exc:
             raise CliError(f"{role}: {exc}") from None
 
     def child_args(self, role: str) -> list[str]:
         """What `up` passes on to its `serve ROLE` child (metrics ports: orchestrator P, drafter P+1, …)."""
         return child_args(role, trace_file=self.trace_file, otlp_endpoint=self.otlp_endpoint,
-                          metrics_port=self.metrics_port, metrics_host=self.metrics_host)
+                          metrics_port=self.metrics_port, metrics_host=self.metrics_host,
+                          metrics_token_file=self.metrics_token_file, metrics_tls=self.metrics_tls)
 
 
 # ============================================================================ commands
@@ -261,6 +332,9 @@ def trace_collect(
 ) -> None:
     """Receive spans over OTLP/gRPC (point OTEL_EXPORTER_OTLP_ENDPOINT or --otlp-endpoint at it) and
     write them as JSON lines for `specdec trace-report`."""
+    from specdec.cli import extras
+
+    extras.require(extras.OTLP_RECEIVER, "trace-collect", "run an OpenTelemetry Collector instead")
     from specdec.cli.trace_collector import run_collector
 
     def ready(bound: int) -> None:

@@ -172,6 +172,31 @@ RequestTtlOpt = Annotated[int | None, typer.Option(
     "--request-ttl", min=1, help=(
         "Seconds a request's stored record (its progress, for Resume) is kept after its last update. "
         "Default: $SPECDEC_REQUEST_TTL_SECONDS, else 86400."), show_default=False)]
+StoreTimeoutOpt = Annotated[float | None, typer.Option(
+    "--store-timeout", min=0.01, help=(
+        "Seconds one operation on the request store (Redis) may take as a whole, connecting included; a "
+        "hung or unreachable Redis fails a new request with UNAVAILABLE after this long instead of "
+        "stalling it. Default: $SPECDEC_STORE_TIMEOUT_S, else 2."), show_default=False)]
+StoreOutageGraceOpt = Annotated[float | None, typer.Option(
+    "--store-outage-grace", min=0.0, help=(
+        "Seconds a running request generates on while its progress cannot be saved (its chunks held back "
+        "until a save succeeds); after that it ends UNAVAILABLE, resumable from its last saved progress. "
+        "0: end at the first failed save. Default: $SPECDEC_STORE_OUTAGE_GRACE_S, else 30."),
+    show_default=False)]
+MaxRequestsPerCallerOpt = Annotated[int | None, typer.Option(
+    "--max-requests-per-caller", min=0, help=(
+        "Requests one caller may have open at once (running, queued or paused), counted by its bearer "
+        "token or client certificate, else by its address; more get RESOURCE_EXHAUSTED (HTTP 429) at "
+        "once. 0: no cap, since anonymous clients behind one address (a proxy, a NAT, loopback) share "
+        "it. Default: $SPECDEC_MAX_REQUESTS_PER_CALLER, else 0."), show_default=False)]
+StreamIdleTimeoutOpt = Annotated[float | None, typer.Option(
+    "--stream-idle-timeout", min=0.0, help=(
+        "Seconds a streamed response (gRPC or SSE) may go unread: a run whose client has not taken its "
+        "last chunk pauses and gives its request slot to others at once; after this long without a "
+        "chunk taken it is closed (its sessions freed; Resume continues it exactly): a gRPC client gets "
+        "RESOURCE_EXHAUSTED when it reads on, an HTTP connection is closed 5 s later. 0: paused streams "
+        "are never closed. Default: "
+        "$SPECDEC_STREAM_IDLE_TIMEOUT_S, else 30."), show_default=False)]
 MaxPromptBytesOpt = Annotated[int | None, typer.Option(
     "--max-prompt-bytes", min=1, help=(
         "Largest prompt text (UTF-8 bytes) a request may send; a larger one gets INVALID_ARGUMENT before "
@@ -239,6 +264,18 @@ EngineAuthTokenFileOpt = Annotated[Path | None, typer.Option(
     "--auth-token-file", help="Accept only callers sending this token as `authorization: Bearer <token>` "
     f"(the orchestrator's --engine-token-file; {_TOKEN_HINT}); others get UNAUTHENTICATED on every RPC but "
     "health. `specdec up` makes one for its engines. Default: no token.", show_default=False)]
+InsecureEngineOpt = Annotated[bool, typer.Option(
+    "--insecure-engine", help="Serve on a non-loopback --host without --auth-token-file or mTLS "
+    "(--tls-require-client-cert): anyone who reaches the port may run every RPC, chat templates included. "
+    "Without this flag such a start is refused; loopback hosts never need it.")]
+MaxChatTemplateKbOpt = Annotated[int, typer.Option(
+    "--max-chat-template-kb", min=1, help="Verifier: the largest chat template a caller may send with "
+    "ApplyChatTemplate (the orchestrator's --chat-template); larger ones get INVALID_ARGUMENT unread. The "
+    "model's own template is not limited.")]
+ChatTemplateTimeoutOpt = Annotated[float, typer.Option(
+    "--chat-template-timeout", min=0.01, help="Verifier: seconds a caller's chat template may render. It "
+    "renders in a child process (capped at 512 MB and a 4 MiB prompt) that is killed past this time; the "
+    "call gets INVALID_ARGUMENT and Tokenize, Verify and other calls are served meanwhile.")]
 EngineTokenFileOpt = Annotated[Path | None, typer.Option(
     "--engine-token-file", help="Send the token in this file to the drafter and the verifier (their "
     "--auth-token-file). Default: none.", show_default=False)]
@@ -302,6 +339,20 @@ def server_security(*, tls_cert: Path | None, tls_key: Path | None, tls_client_c
     except ValueError as exc:
         raise fail(str(exc)) from None
     return security
+
+
+def refuse_open_engine(role: str, host: str, security: ServerSecurity, insecure_engine: bool) -> None:
+    """Exit 2 with one line when an engine would serve a non-loopback address with nobody proven:
+    no --auth-token-file and no required client certificates, and no explicit --insecure-engine.
+    An open engine runs any caller's chat template and reads any session (issue 29)."""
+    from specdec.rpc.security import is_loopback
+
+    if insecure_engine or security.authenticated or is_loopback(host):
+        return
+    raise fail(f"{role}: --host {host or '(all interfaces)'} is not a loopback address and the {role} has "
+               "no --auth-token-file and no mTLS (--tls-require-client-cert), so anyone who reaches the port "
+               "could run its RPCs; add --auth-token-file FILE (the orchestrator's --engine-token-file), "
+               "bind --host 127.0.0.1, or pass --insecure-engine to serve it open anyway", 2)
 
 
 def client_security(*, tls_ca: Path | None, tls_client_cert: Path | None, tls_client_key: Path | None,

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,8 +235,8 @@ class Child:
         return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def describe_exit(child: Child) -> str:
-    """'drafter (pid 12) exited with code 1' / '… was killed by SIGKILL', plus the log tail."""
+def describe_exit(child: Child, lines: int = 15) -> str:
+    """'drafter (pid 12) exited with code 1' / '… was killed by SIGKILL', plus the last `lines` of its log."""
     code = child.returncode()
     if code is None:
         how = "is still running"
@@ -248,10 +248,21 @@ def describe_exit(child: Child) -> str:
     else:
         how = f"exited with code {code}"
     message = f"{child.name} (pid {child.pid}) {how}"
-    tail = child.log_tail()
+    tail = child.log_tail(lines) if lines > 0 else ""
     if tail:
         message += f"; last lines of {child.log_path}:\n{tail}"
     return message
+
+
+def exit_reason(child: Child) -> str:
+    """describe_exit in one line (a supervisor's console): a signal says why by itself; an exit code
+    comes with the last line of the child's log (usually its error), then where the log is."""
+    message = describe_exit(child, lines=0)
+    code = child.returncode()
+    last = child.log_tail(1).strip() if code is not None and code > 0 else ""
+    if last:
+        message += f" ({last})"
+    return f"{message}; log: {child.log_path}"
 
 
 # glibc gives each thread that allocates its own malloc arena (up to 8 per core). The engines' worker
@@ -324,6 +335,81 @@ def stop_process(process: subprocess.Popen, grace: float = 5.0) -> None:
         process.wait(timeout=10)
 
 
+# ---------------------------------------------------------------- restarts
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a supervisor restarts one service that died: after a back-off that doubles from
+    `first_delay_s` up to `max_delay_s` (a crash loop neither spins nor floods the log), back to
+    `first_delay_s` once the service had run `reset_after_s` seconds; at most `limit` restarts in all
+    (None: no limit). Past the limit, a `fatal` service ends supervision; another stays down."""
+
+    limit: int | None = None
+    fatal: bool = True
+    first_delay_s: float = 0.5
+    max_delay_s: float = 30.0
+    reset_after_s: float = 60.0
+
+    def next_delay(self, previous: float, healthy_for: float) -> float:
+        """The back-off before the next restart, after `previous` and `healthy_for` seconds of running."""
+        if previous <= 0 or healthy_for >= self.reset_after_s:
+            return self.first_delay_s
+        return min(previous * 2, self.max_delay_s)
+
+
+@dataclass
+class SupervisorEvent:
+    """What `Supervisor.supervise` tells its caller: `kind` is died (a restart follows in `delay`
+    seconds), restarting (the new process is up, not yet healthy), healthy (it passed its health
+    check) or gave_up (past its policy's limit: left down, or the end when the policy is fatal)."""
+
+    kind: str
+    child: Child
+    restarts: int  # restarts of this service so far
+    policy: RestartPolicy
+    reason: str = ""  # died, gave_up: why (exit_reason)
+    delay: float = 0.0  # died: seconds before the restart
+
+
+_RUNNING, _WAITING, _STARTING, _DOWN = "running", "waiting", "starting", "down"
+
+
+@dataclass
+class _Watched:
+    """A supervised service's state between two looks (Supervisor.supervise)."""
+
+    policy: RestartPolicy
+    phase: str = _RUNNING
+    restarts: int = 0
+    delay: float = 0.0
+    due: float = 0.0  # waiting: when to restart
+    deadline: float = 0.0  # starting: when to give the restart up
+    healthy_since: float | None = field(default_factory=time.monotonic)
+
+
+def _answers_health(child: Child, security: Any) -> bool:
+    """One short gRPC health Check of a (re)started child: SERVING or not (never raises)."""
+    import grpc
+
+    try:
+        return check_health(child.address or "", timeout=1.0, security=security) == "SERVING"
+    except grpc.RpcError:
+        return False
+
+
+def _url_port(url: Any) -> int | None:
+    """The port of an http(s) URL from a child's ready file (None when there is none)."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str):
+        return None
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        return None
+
+
 class Supervisor:
     """A set of children started together and stopped together (reverse start order)."""
 
@@ -345,15 +431,19 @@ class Supervisor:
         return spawn(child, env=env)
 
     def restart(self, dead: Child, env: dict[str, str] | None = None) -> Child:
-        """Start a dead child again in its place, on the port it had bound (its peers keep the address)."""
+        """Start a dead child again in its place, on the ports it had bound (its peers and clients keep
+        the addresses, also of its HTTP API and /metrics when those were chosen by the OS)."""
         argv = list(dead.argv)
-        if dead.address and "--port" in argv:
-            argv[argv.index("--port") + 1] = dead.address.rsplit(":", 1)[1]
+        for flag, port in (("--port", dead.address.rsplit(":", 1)[1] if dead.address else None),
+                           ("--http-port", _url_port(dead.info.get("http_url"))),
+                           ("--metrics-port", _url_port(dead.info.get("metrics_url")))):
+            if port is not None and flag in argv:
+                argv[argv.index(flag) + 1] = str(port)
         if dead._log_handle is not None:
             with contextlib.suppress(Exception):
                 dead._log_handle.close()
         fresh = Child(name=dead.name, argv=argv, ready_file=dead.ready_file, log_path=dead.log_path,
-                      cores=dead.cores)
+                      cores=dead.cores, address=dead.address, info=dict(dead.info))
         self.children[self.children.index(dead)] = fresh
         return spawn(fresh, env=env)
 
@@ -371,6 +461,71 @@ class Supervisor:
                 return dead
             self.stop_requested.wait(poll)
         return None
+
+    def supervise(self, policies: Mapping[str, RestartPolicy], on_event: Callable[[SupervisorEvent], None],
+                  *, startup_timeout: float, security: Any = None,
+                  healthy: Callable[[Child], bool] | None = None, poll: float = 0.2) -> Child | None:
+        """Keep the children running until a stop is requested (→ None): each one that dies is started
+        again on its ports after its policy's back-off (`restart`), and healthy again once its ready
+        file is there and its health check says SERVING (`healthy`, by default one gRPC Check over
+        `security`). Every death, restart, recovery and give-up is told to `on_event`.
+
+        Returns the child whose death ends supervision: one past its policy's limit whose policy is
+        `fatal` (a non-fatal one is left down). A restart that does not get healthy within
+        `startup_timeout` seconds is stopped and counts as another death."""
+        check = healthy or (lambda child: _answers_health(child, security))
+        states = {child.name: _Watched(policies.get(child.name, RestartPolicy())) for child in self.children}
+        while not self.stop_requested.is_set():
+            for child in list(self.children):  # a restart replaces its child in the list
+                state = states.setdefault(child.name, _Watched(policies.get(child.name, RestartPolicy())))
+                if self._supervise_one(child, state, on_event, startup_timeout, check):
+                    return child
+            self.stop_requested.wait(poll)
+        return None
+
+    def _supervise_one(self, child: Child, state: _Watched, on_event: Callable[[SupervisorEvent], None],
+                       startup_timeout: float, check: Callable[[Child], bool]) -> bool:
+        """One look at one child (restarting it when its back-off is over); True: supervision ends."""
+        now = time.monotonic()
+        policy = state.policy
+        if state.phase == _RUNNING and not child.alive():
+            return self._died(child, state, on_event, exit_reason(child), now)
+        if state.phase == _STARTING:
+            if not child.alive():
+                return self._died(child, state, on_event, exit_reason(child), now)
+            payload = read_ready_file(child.ready_file)
+            if payload and payload.get("address"):
+                child.address, child.info = str(payload["address"]), payload
+                if check(child):
+                    state.phase, state.healthy_since = _RUNNING, time.monotonic()
+                    on_event(SupervisorEvent("healthy", child, state.restarts, policy))
+                    return False
+            if now > state.deadline:
+                reason = (f"{child.name} (pid {child.pid}) did not pass its health check within "
+                          f"{startup_timeout:g} s of its restart; log: {child.log_path}")
+                if child.process is not None:
+                    stop_process(child.process, grace=2.0)
+                return self._died(child, state, on_event, reason, now)
+        if state.phase == _WAITING and now >= state.due:
+            fresh = self.restart(child)
+            state.restarts += 1
+            state.phase, state.deadline = _STARTING, time.monotonic() + startup_timeout
+            on_event(SupervisorEvent("restarting", fresh, state.restarts, policy))
+        return False
+
+    def _died(self, child: Child, state: _Watched, on_event: Callable[[SupervisorEvent], None],
+              reason: str, now: float) -> bool:
+        """A death: schedule the restart after the back-off, or give up (True: supervision ends)."""
+        policy = state.policy
+        if policy.limit is not None and state.restarts >= policy.limit:
+            state.phase = _DOWN
+            on_event(SupervisorEvent("gave_up", child, state.restarts, policy, reason=reason))
+            return policy.fatal
+        healthy_for = now - state.healthy_since if state.healthy_since is not None else 0.0
+        state.delay = policy.next_delay(state.delay, healthy_for)
+        state.phase, state.due, state.healthy_since = _WAITING, now + state.delay, None
+        on_event(SupervisorEvent("died", child, state.restarts, policy, reason=reason, delay=state.delay))
+        return False
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop every child: the newest first (the orchestrator: it drains its requests while the

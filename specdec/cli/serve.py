@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from specdec.cli import processes
+from specdec.cli import extras, processes
 from specdec.cli.commands import ServeCommand, SpecdecGroup
 from specdec.cli.common import (
     CliError,
@@ -33,6 +33,8 @@ from specdec.cli.common import (
 from specdec.cli.observability import (
     MetricsHostOpt,
     MetricsPortOpt,
+    MetricsTlsOpt,
+    MetricsTokenFileOpt,
     Observability,
     ObservabilityOptions,
     OtlpEndpointOpt,
@@ -48,6 +50,7 @@ from specdec.cli.options import (
     BatchingOpt,
     BatchWindowOpt,
     ChatTemplateOpt,
+    ChatTemplateTimeoutOpt,
     CoresOpt,
     DefaultAOpt,
     DefaultKOpt,
@@ -61,12 +64,15 @@ from specdec.cli.options import (
     EngineTokenFileOpt,
     HostOpt,
     HttpPortOpt,
+    InsecureEngineOpt,
     KvCacheOpt,
     LogLevelOpt,
     MaxActiveRequestsOpt,
     MaxBatchTokensOpt,
+    MaxChatTemplateKbOpt,
     MaxMessageOpt,
     MaxPromptBytesOpt,
+    MaxRequestsPerCallerOpt,
     MaxSessionsOpt,
     ModelOpt,
     PortOpt,
@@ -75,6 +81,9 @@ from specdec.cli.options import (
     RequestTtlOpt,
     ServedModelNameOpt,
     SessionTtlOpt,
+    StoreOutageGraceOpt,
+    StoreTimeoutOpt,
+    StreamIdleTimeoutOpt,
     ThreadsOpt,
     TlsCertOpt,
     TlsClientCaOpt,
@@ -87,6 +96,7 @@ from specdec.cli.options import (
     connect_address,
     one_of,
     parse_cores,
+    refuse_open_engine,
     server_security,
 )
 from specdec.cli.processes import (
@@ -189,11 +199,12 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
                  observability: ObservabilityOptions, batching: Any = None,
                  kv_cache_mb: float = DEFAULT_KV_CACHE_MB,
                  admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S, security: Any = None,
-                 threads_beside_drafter: int | None = None) -> None:
+                 threads_beside_drafter: int | None = None, template_limits: Any = None) -> None:
     """Load the model, build the engine and serve it (role: drafter | verifier) until a signal.
 
     security: the port's TLS / mTLS / token (specdec.rpc.security.ServerSecurity, checked by the
-    caller before this loads anything); None = plaintext and open."""
+    caller before this loads anything); None = plaintext and open. template_limits: the verifier's
+    bounds on callers' chat templates (specdec.runtime.chat_template.TemplateLimits; None: defaults)."""
     setup_logging(log_level)
     core_list = parse_cores(cores, "--cores")
     if threads_beside_drafter is not None and role != "verifier":
@@ -214,6 +225,7 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
         max_kv_tokens = kv_budget_tokens(kv_cache_mb, loaded.model)
         sessions = SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl,
                                  max_kv_tokens=max_kv_tokens, admission_timeout_s=admission_timeout)
+        extra: dict[str, Any] = {"template_limits": template_limits} if role == "verifier" else {}
         if threads_beside_drafter is not None:
             import torch
 
@@ -221,10 +233,11 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
 
             wide = threads or torch.get_num_threads()
             widths = ThreadWidths(wide=wide, beside_drafter=min(threads_beside_drafter, wide))
-            engine = engine_class(loaded, sessions, batching=batching, threads=widths)
+            engine = engine_class(loaded, sessions, batching=batching, threads=widths, **extra)
         else:
-            engine = engine_class(loaded, sessions, batching=batching)
-        obs = observability.setup(role)
+            engine = engine_class(loaded, sessions, batching=batching, **extra)
+        protected = security is not None and (security.tls or security.authenticated)
+        obs = observability.setup(role, protected=protected)
         obs.watch_engine(engine)
     except CliError as exc:
         raise fail(str(exc)) from None
@@ -278,6 +291,8 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         otlp_endpoint: OtlpEndpointOpt = None,
         metrics_port: MetricsPortOpt = None,
         metrics_host: MetricsHostOpt = "127.0.0.1",
+        metrics_token_file: MetricsTokenFileOpt = None,
+        metrics_tls: MetricsTlsOpt = False,
         batching: BatchingOpt = True,
         max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
         batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS,
@@ -286,6 +301,9 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         tls_client_ca: TlsClientCaOpt = None,
         tls_require_client_cert: TlsRequireClientCertOpt = False,
         auth_token_file: EngineAuthTokenFileOpt = None,
+        insecure_engine: InsecureEngineOpt = False,
+        max_chat_template_kb: MaxChatTemplateKbOpt = 64,
+        chat_template_timeout: ChatTemplateTimeoutOpt = 2.0,
         threads_beside_drafter: Annotated[int | None, typer.Option(
             "--threads-beside-drafter", min=1, rich_help_panel="Models and placement",
             help="Verifier only: torch threads of a pass while a drafter call runs beside it; the other "
@@ -294,18 +312,23 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
             show_default=False)] = None,
     ) -> None:
         from specdec.runtime.batch_config import BatchConfig
+        from specdec.runtime.chat_template import TemplateLimits
 
         security = server_security(tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
                                    tls_require_client_cert=tls_require_client_cert,
                                    auth_token_file=auth_token_file)  # exits on a bad flag, before loading
-        observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
+        refuse_open_engine(role, host, security, insecure_engine)
+        observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host,
+                                             metrics_token_file, metrics_tls, security.cert, security.key)
         batch = BatchConfig(batching, max_batch_tokens, batch_window_ms)
+        template_limits = TemplateLimits(max_template_bytes=max_chat_template_kb * 1024,
+                                         timeout_s=chat_template_timeout)
         serve_engine(role, model=model, host=host, port=port, device=device, dtype=dtype, threads=threads,
                      cores=cores, max_message_mb=max_message_mb, max_sessions=max_sessions,
                      session_ttl=session_ttl, ready_file=ready_file, log_level=log_level,
                      observability=observability, batching=batch, kv_cache_mb=kv_cache_mb,
                      admission_timeout=admission_timeout, security=security,
-                     threads_beside_drafter=threads_beside_drafter)
+                     threads_beside_drafter=threads_beside_drafter, template_limits=template_limits)
 
     command.__name__ = command.__qualname__ = f"serve_{role}"
     command.__doc__ = summary
@@ -387,6 +410,10 @@ def serve_orchestrator(
     max_active_requests: MaxActiveRequestsOpt = None,
     queue_timeout: QueueTimeoutOpt = None,
     request_ttl: RequestTtlOpt = None,
+    store_timeout: StoreTimeoutOpt = None,
+    store_outage_grace: StoreOutageGraceOpt = None,
+    max_requests_per_caller: MaxRequestsPerCallerOpt = None,
+    stream_idle_timeout: StreamIdleTimeoutOpt = None,
     max_prompt_bytes: MaxPromptBytesOpt = None,
     http_port: HttpPortOpt = None,
     served_model_name: ServedModelNameOpt = None,
@@ -400,6 +427,8 @@ def serve_orchestrator(
     otlp_endpoint: OtlpEndpointOpt = None,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = "127.0.0.1",
+    metrics_token_file: MetricsTokenFileOpt = None,
+    metrics_tls: MetricsTlsOpt = False,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_client_ca: TlsClientCaOpt = None,
@@ -431,8 +460,17 @@ def serve_orchestrator(
                                      read_chat_template(chat_template))
         if draft_source is not None:  # checked by the option; the command line wins over the variable
             config = config.model_copy(update={"draft_source": draft_source})
+        given_bounds = {"store_timeout_s": store_timeout, "store_outage_grace_s": store_outage_grace,
+                        "max_requests_per_caller": max_requests_per_caller,
+                        "stream_idle_timeout_s": stream_idle_timeout}
+        if any(value is not None for value in given_bounds.values()):  # checked by the options, as above
+            config = config.model_copy(update={k: v for k, v in given_bounds.items() if v is not None})
     except CliError as exc:
         raise fail(str(exc)) from None
+    if http_port is not None:  # optional packages: one line and exit 2 when absent (specdec.cli.extras)
+        extras.require(extras.HTTP_API, "--http-port", "leave --http-port out (gRPC only)")
+    if extras.is_redis_url(config.store_url):
+        extras.require(extras.REDIS_STORE, "--store-url / $SPECDEC_STORE_URL", "leave the store in memory")
     no_drafter = is_no_drafter(drafter)
     if no_drafter and config.draft_source == MODEL_SOURCE:
         raise fail("--drafter none with draft source model (--draft-source or $SPECDEC_DRAFT_SOURCE): that "
@@ -441,8 +479,9 @@ def serve_orchestrator(
         check_port_free(host, port, "--port")
         if http_port:
             check_port_free(host, http_port, "--http-port")
-        observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
-        obs = observability.setup("orchestrator")
+        observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host,
+                                             metrics_token_file, metrics_tls, front.cert, front.key)
+        obs = observability.setup("orchestrator", protected=front.tls or front.authenticated)
     except CliError as exc:
         raise fail(str(exc)) from None
 

@@ -1,7 +1,8 @@
 """`specdec up`: drafter, verifier and orchestrator as three supervised processes on this machine.
 
 Each child is `python -m specdec.cli serve ROLE ...` (specdec.cli.processes starts, pins,
-health-waits, watches and stops them); this module only turns the options into their arguments.
+health-waits, watches, restarts and stops them); this module turns the options into their arguments
+and restart policies, and supervisor events into console lines.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from rich.table import Table
 
 from specdec.cli import processes
 from specdec.cli.common import CliError, err, fail, resolve_model
-from specdec.cli.observability import MetricsHostOpt, ObservabilityOptions, OtlpEndpointOpt, TraceFileOpt
+from specdec.cli.observability import (
+    MetricsHostOpt,
+    MetricsTlsOpt,
+    MetricsTokenFileOpt,
+    ObservabilityOptions,
+    OtlpEndpointOpt,
+    TraceFileOpt,
+)
 from specdec.cli.options import (
     DEFAULT_ADMISSION_TIMEOUT_S,
     DEFAULT_KV_CACHE_MB,
@@ -38,11 +46,15 @@ from specdec.cli.options import (
     MaxBatchTokensOpt,
     MaxMessageOpt,
     MaxPromptBytesOpt,
+    MaxRequestsPerCallerOpt,
     MaxSessionsOpt,
     QueueTimeoutOpt,
     RequestTtlOpt,
     ServedModelNameOpt,
     SessionTtlOpt,
+    StoreOutageGraceOpt,
+    StoreTimeoutOpt,
+    StreamIdleTimeoutOpt,
     TlsCertOpt,
     TlsClientCaOpt,
     TlsClientKeyOpt,
@@ -151,6 +163,10 @@ def up(
     max_active_requests: MaxActiveRequestsOpt = None,
     queue_timeout: QueueTimeoutOpt = None,
     request_ttl: RequestTtlOpt = None,
+    store_timeout: StoreTimeoutOpt = None,
+    store_outage_grace: StoreOutageGraceOpt = None,
+    max_requests_per_caller: MaxRequestsPerCallerOpt = None,
+    stream_idle_timeout: StreamIdleTimeoutOpt = None,
     max_prompt_bytes: MaxPromptBytesOpt = None,
     http_port: Annotated[int, typer.Option(
         "--http-port", min=0, max=65535, help="Port of the orchestrator's OpenAI-compatible HTTP API "
@@ -162,12 +178,19 @@ def up(
     startup_timeout: Annotated[float, typer.Option(
         "--startup-timeout", help="Seconds each service may take to load and pass its health check.")] =
         600.0,
-    drafter_restarts: Annotated[int, typer.Option(
-        "--drafter-restarts", min=0, help="Restart a drafter that dies this many times (meanwhile the "
-        "orchestrator generates target-only); 0 = a dead drafter stops everything.")] = 3,
+    drafter_restarts: Annotated[int | None, typer.Option(
+        "--drafter-restarts", min=0, show_default="unlimited", help="Restart a drafter that dies at most "
+        "this many times in all (each after a back-off from 0.5 s doubling to 30 s, reset after 60 s of "
+        "healthy running); past that it stays down and the orchestrator goes on target-only (exact, "
+        "slower) for good, as it does while the drafter restarts. 0 = never restart it.")] = None,
+    restarts: Annotated[int | None, typer.Option(
+        "--restarts", min=0, show_default="unlimited", help="Restart the verifier or the orchestrator when "
+        "it dies at most this many times each (same back-off, same ports: clients reconnect; requests "
+        "in flight fail UNAVAILABLE and can Resume); past that `up` stops everything and exits 1.")] = None,
     ready_file: Annotated[Path | None, typer.Option(
         "--ready-file", help="Once all three are healthy, write JSON {orchestrator, drafter, verifier, pids, "
-        "log_dir, pid} to this file (drafter null with --drafter none); it is removed on shutdown.",
+        "restarts, log_dir, pid} to this file (drafter null with --drafter none); rewritten with the new pid "
+        "after each restart (a service left down has none); removed on shutdown.",
         show_default=False)] = None,
     log_dir: Annotated[Path | None, typer.Option(
         "--log-dir", help="Folder for the services' logs. Default: a new temporary folder.",
@@ -178,6 +201,8 @@ def up(
         "--metrics-port", help="Prometheus /metrics of the orchestrator on this port, the drafter on +1, the "
         "verifier on +2 (0 = any free ports). Default: no metrics endpoints.", show_default=False)] = None,
     metrics_host: MetricsHostOpt = "127.0.0.1",
+    metrics_token_file: MetricsTokenFileOpt = None,
+    metrics_tls: MetricsTlsOpt = False,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_client_ca: TlsClientCaOpt = None,
@@ -197,10 +222,12 @@ def up(
     """Start drafter, verifier and orchestrator as three processes on this machine; stop them on Ctrl-C.
 
     Drafter and verifier are pinned to different cores; each service must pass its gRPC health
-    check before the next step. Ctrl-C / SIGTERM stops all three. If the drafter dies, the
-    orchestrator goes on target-only (exact, slower) while the drafter is restarted on its port
-    (up to --drafter-restarts times); if the verifier or the orchestrator dies, the others are
-    stopped and the exit code is 1.
+    check before the next step. `up` then supervises them until Ctrl-C / SIGTERM (exit 0): a
+    service that dies is restarted on its ports after a back-off (0.5 s doubling to 30 s), each
+    death and restart logged here. While the drafter is away the orchestrator goes on target-only
+    (exact, slower), for good past --drafter-restarts; while the verifier is away requests get
+    UNAVAILABLE. `up` exits 1 only when a service cannot start at all, or when the verifier or the
+    orchestrator dies more than --restarts times.
 
     --drafter none (or --draft none) starts no drafter and loads no draft model: the verifier gets
     all the cores, and the orchestrator drafts model-free (--draft-source hybrid, lookup or suffix)
@@ -255,7 +282,8 @@ def up(
         err.print(precision_line(dtype, drafter=drafter_device, verifier=verifier_device))
     _warn_if_exposed(host, tls=tls_cert is not None, client_token=auth_token_file is not None,
                      client_certs=tls_require_client_cert)
-    observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host)
+    observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host,
+                                         metrics_token_file, metrics_tls, tls_cert, tls_key)
     supervisor = processes.Supervisor(log_dir)
     supervisor.install_signal_handlers()
     engine_token = _engine_token_file(supervisor.log_dir)
@@ -303,6 +331,10 @@ def up(
                                 ("--draft-rows", draft_rows),
                                 ("--max-active-requests", max_active_requests),
                                 ("--queue-timeout", queue_timeout), ("--request-ttl", request_ttl),
+                                ("--store-timeout", store_timeout),
+                                ("--store-outage-grace", store_outage_grace),
+                                ("--max-requests-per-caller", max_requests_per_caller),
+                                ("--stream-idle-timeout", stream_idle_timeout),
                                 ("--max-prompt-bytes", max_prompt_bytes),
                                 ("--served-model-name", served_model_name),
                                 ("--chat-template", absolute_path(chat_template)),
@@ -320,16 +352,19 @@ def up(
         metrics = {c.name: c.info["metrics_url"] for c in supervisor.children if c.info.get("metrics_url")}
         flags = _generate_flags(tls_ca, tls_client_cert, tls_client_key, tls_server_name, auth_token_file)
         _print_pipeline(supervisor, {"drafter": draft, "verifier": target}, metrics, trace_file, flags)
+        ready = {
+            "orchestrator": orch.address, "drafter": None if no_drafter else engines[0].address,
+            "verifier": verifier.address, "draft_source": orch.info.get("draft_source"),
+            "log_dir": str(supervisor.log_dir), "pids": {c.name: c.pid for c in supervisor.children},
+            "pid": os.getpid(), "metrics": metrics, "http": orch.info.get("http_url"),
+            "restarts": {c.name: 0 for c in supervisor.children},
+        }
         if ready_file is not None:
-            processes.write_ready_file(ready_file, {
-                "orchestrator": orch.address, "drafter": None if no_drafter else engines[0].address,
-                "verifier": verifier.address, "draft_source": orch.info.get("draft_source"),
-                "log_dir": str(supervisor.log_dir), "pids": {c.name: c.pid for c in supervisor.children},
-                "pid": os.getpid(), "metrics": metrics, "http": orch.info.get("http_url"),
-            })
-        dead = _watch_restarting_the_drafter(supervisor, drafter_restarts, startup_timeout, probe)
+            processes.write_ready_file(ready_file, ready)
+        policies = restart_policies(drafter_restarts, restarts)
+        dead = supervisor.supervise(policies, _Reporter(ready, ready_file), startup_timeout=startup_timeout,
+                                    security=probe)
         if dead is not None:
-            err.print(f"[bold red]error:[/] {escape(processes.describe_exit(dead))}")
             err.print("stopping the other services …")
             exit_code = 1
         else:
@@ -391,29 +426,62 @@ def _no_drafter_line(cores: list[int] | None, threads: int, draft_source: str | 
             f"{source}, {WITHOUT_DRAFTER.get(source, 'target-only steps')}")
 
 
-def _watch_restarting_the_drafter(supervisor: processes.Supervisor, restarts: int,
-                                  startup_timeout: float, probe: Any = None) -> processes.Child | None:
-    """Watch the children; restart a dead drafter (the orchestrator runs target-only meanwhile).
+def restart_policies(drafter_restarts: int | None,
+                     restarts: int | None) -> dict[str, processes.RestartPolicy]:
+    """How `up` restarts each service: the drafter is optional (the orchestrator drafts without it,
+    target-only), so past its limit it stays down; the verifier and the orchestrator are not, so past
+    theirs `up` ends."""
+    return {"drafter": processes.RestartPolicy(limit=drafter_restarts, fatal=False),
+            "verifier": processes.RestartPolicy(limit=restarts),
+            "orchestrator": processes.RestartPolicy(limit=restarts)}
 
-    Returns the child whose death ends `up` (a verifier, the orchestrator, or a drafter past its
-    restarts), or None when a stop was requested.
-    """
-    while True:
-        dead = supervisor.watch()
-        if dead is None or dead.name != "drafter" or restarts <= 0:
-            return dead
-        restarts -= 1
-        err.print(f"[yellow]warning:[/] {escape(processes.describe_exit(dead))}; the orchestrator "
-                  f"continues target-only; restarting the drafter ({restarts} restart(s) left) …")
-        drafter = supervisor.restart(dead)
-        try:
-            processes.wait_ready(drafter, startup_timeout, abort=supervisor.stop_requested, security=probe)
-        except ProcessError as exc:
-            if supervisor.stop_requested.is_set():
-                return None
-            err.print(f"[yellow]warning:[/] the drafter did not come back: {escape(str(exc))}")
-            continue  # watch() reports it dead again and the count decides
-        err.print(f"[green]✓[/] drafter healthy again on {drafter.address}")
+
+# What a client of the orchestrator sees while a service is away (the line of its death).
+_MEANWHILE = {
+    "drafter": "the orchestrator goes on target-only (exact, slower) meanwhile",
+    "verifier": "requests get UNAVAILABLE meanwhile (those in flight can Resume)",
+    "orchestrator": "clients get UNAVAILABLE meanwhile (requests in flight can Resume with a shared "
+                    "--store-url)",
+}
+
+
+class _Reporter:
+    """Supervisor events → one console line each, and `up`'s ready file kept current (new pids)."""
+
+    def __init__(self, ready: dict[str, Any], ready_file: Path | None) -> None:
+        self.ready = ready
+        self.ready_file = ready_file
+
+    def __call__(self, event: processes.SupervisorEvent) -> None:
+        child, policy = event.child, event.policy
+        name = child.name
+        if event.kind == "died":
+            limit = f"{event.restarts + 1}" + ("" if policy.limit is None else f" of {policy.limit}")
+            err.print(f"[yellow]warning:[/] {escape(event.reason)}; restarting it in {event.delay:g} s "
+                      f"(restart {limit}); {_MEANWHILE.get(name, 'it is away meanwhile')}")
+        elif event.kind == "restarting":
+            err.print(f"restarting the {name} (pid {child.pid}) on {child.address or 'its port'} …")
+        elif event.kind == "healthy":
+            err.print(f"[green]✓[/] {name} healthy again on {child.address} (pid {child.pid}, restart "
+                      f"{event.restarts})")
+            self._update(name, child.pid, event.restarts)
+        elif event.kind == "gave_up":
+            flag = "--drafter-restarts" if name == "drafter" else "--restarts"
+            level, after = (("[bold red]error:[/]", "`up` ends (exit 1)") if policy.fatal else (
+                "[yellow]warning:[/]", "the orchestrator goes on target-only (exact, slower) for good"))
+            err.print(f"{level} {escape(event.reason)}; not restarted again ({flag} {policy.limit} "
+                      f"reached): {after}")
+            self._update(name, None, event.restarts)
+
+    def _update(self, name: str, pid: int | None, restarts: int) -> None:
+        """The ready file with the service's new pid (none: it stays down) and its restarts."""
+        if pid is None:
+            self.ready["pids"].pop(name, None)
+        else:
+            self.ready["pids"][name] = pid
+        self.ready["restarts"][name] = restarts
+        if self.ready_file is not None:
+            processes.write_ready_file(self.ready_file, self.ready)
 
 
 def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str], metrics: dict[str, str],

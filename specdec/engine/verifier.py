@@ -48,6 +48,7 @@ from specdec.methods import DETERMINISTIC_METHOD_NAMES, Method, verification_met
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.batching import ForwardBatcher, ThreadWidths
+from specdec.runtime.chat_template import ChatTemplateRenderer, TemplateLimits
 from specdec.runtime.detokenize import check_cursor, detokenize
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import LoadedModel
@@ -93,10 +94,12 @@ class VerifierEngine:
         verify_fn: Callable | None = None,
         batching: BatchConfig | None = None,
         threads: ThreadWidths | None = None,
+        template_limits: TemplateLimits | None = None,
     ) -> None:
         """`verify_fn` defaults to specdec.verification.dispatch.verify (tests may swap it).
         `threads`: a verifier that shares cores with the drafter runs a pass with all its threads only
-        when the request says the drafter is idle (VerifyRequest.drafter_idle); None: never changes them."""
+        when the request says the drafter is idle (VerifyRequest.drafter_idle); None: never changes them.
+        `template_limits`: what a caller-supplied chat template may cost (specdec.runtime.chat_template)."""
         self.loaded = loaded
         self.batching = batching or BatchConfig()
         # Runs every session's passes; concurrent calls from different sessions share them.
@@ -113,6 +116,8 @@ class VerifierEngine:
         self.score_hits = 0  # verifies that used an earlier score's rows
         self.late_scores = 0  # scores ignored because their verify had already run
         self.draft_rows_requests = 0  # lean verifies answered with draft_rows_needed
+        # Renders templates that callers send (not the model's own) in a killable child process.
+        self.template_renderer = ChatTemplateRenderer(template_limits)
 
     def _new_session(self) -> VerifierSession:
         # The batcher runs one pass at a time on the model (no lock needed besides).
@@ -166,12 +171,19 @@ class VerifierEngine:
                 "messages: the target model's tokenizer has no chat template; send a prompt instead, "
                 "or start the orchestrator with --chat-template FILE")
         conversation = [{"role": m.role, "content": m.content} for m in messages]
-        try:
-            with self._tokenizer_lock:
-                text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                                     add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - a Jinja error of the template on these messages
-            raise InvalidRequest(f"messages: the chat template failed: {exc}") from None
+        if chat_template and chat_template != getattr(tokenizer, "chat_template", None):
+            # A caller's template is untrusted code: bounded in size, time, memory and output, rendered
+            # outside this process and without the tokenizer lock (Tokenize never waits for it).
+            variables = {key: value for key, value in tokenizer.special_tokens_map.items()
+                         if isinstance(value, (str, list))}
+            text = self.template_renderer.render(chat_template, conversation, variables)
+        else:
+            try:
+                with self._tokenizer_lock:
+                    text = tokenizer.apply_chat_template(conversation, chat_template=template,
+                                                         tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # noqa: BLE001 - a Jinja error of the template on these messages
+                raise InvalidRequest(f"messages: the chat template failed: {exc}") from None
         self._check_text_size(text)
         with self._tokenizer_lock:
             # The template writes any BOS itself: encoding must not add special tokens again.

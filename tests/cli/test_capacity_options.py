@@ -110,7 +110,7 @@ def test_up_passes_the_capacity_options_to_its_children(tmp_path, monkeypatch) -
             self.children.append(child)
             return child
 
-        def watch(self) -> None:
+        def supervise(self, *args, **kwargs) -> None:
             return None  # as if Ctrl-C came at once
 
         def stop(self) -> None:

@@ -16,6 +16,7 @@ same check against a built image (tests/deploy/test_image.py, opt-in).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -135,6 +136,20 @@ class Cluster:
         return text
 
     # ------------------------------------------------------------------------------------ pods
+    def _write_secret(self, spec: dict[str, Any], volume_name: str, local: Path) -> None:
+        """A Secret volume whose Secret the chart itself renders (the engine token) becomes its files,
+        as the kubelet would mount them: owner-only for local processes; readable by the container's
+        user (another uid, as fsGroup would allow) for podman."""
+        volume = next((v for v in spec.get("volumes", []) if v["name"] == volume_name), {})
+        name = volume.get("secret", {}).get("secretName")
+        secret = next((d for d in self.docs if d["kind"] == "Secret" and d["metadata"]["name"] == name), None)
+        if secret is None:
+            return
+        for key, value in (secret.get("data") or {}).items():
+            path = local / key
+            path.write_bytes(base64.b64decode(value))
+            path.chmod(0o600 if self.image is None else 0o644)
+
     def _pod(self, deployment: dict[str, Any]) -> Pod:
         spec = pod_spec(deployment)
         (container,) = spec["containers"]
@@ -144,6 +159,7 @@ class Cluster:
         for mount in container.get("volumeMounts", []):
             local = self.volumes.get(mount["name"]) or root / "volumes" / mount["name"]
             local.mkdir(parents=True, exist_ok=True)
+            self._write_secret(spec, mount["name"], local)
             paths[mount["mountPath"]] = local
 
         # One pass over all mount paths, longest first (/tmp/x before /tmp), so that a replacement

@@ -8,11 +8,16 @@ from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
 from specdec.runtime.loading import load_model
 from specdec.runtime.tiny import save_tiny_model
+from tests.helpers import device_under_test
 
 
 @pytest.fixture(scope="session")
 def draft_model(tmp_path_factory):
-    path = save_tiny_model(
+    return load_model(_draft_path(tmp_path_factory))
+
+
+def _draft_path(tmp_path_factory):
+    return save_tiny_model(
         tmp_path_factory.mktemp("draft") / "d8",
         vocab_size=8,
         seed=3,
@@ -20,12 +25,15 @@ def draft_model(tmp_path_factory):
         num_layers=2,
         logit_scale=4.0,
     )
-    return load_model(path)
 
 
 @pytest.fixture(scope="session")
 def target_model(tmp_path_factory):
-    path = save_tiny_model(
+    return load_model(_target_path(tmp_path_factory))
+
+
+def _target_path(tmp_path_factory):
+    return save_tiny_model(
         tmp_path_factory.mktemp("target") / "t8",
         vocab_size=8,
         seed=3,
@@ -34,7 +42,20 @@ def target_model(tmp_path_factory):
         logit_scale=6.0,
         max_position_embeddings=64,
     )
-    return load_model(path)
+
+
+# The same pair on SPECDEC_TEST_DEVICE (tests.helpers.device_under_test), for the tests marked
+# `device`: on the CPU the very models above; with SPECDEC_TEST_DEVICE=cuda copies on the GPU.
+@pytest.fixture(scope="session")
+def device_draft_model(draft_model, tmp_path_factory):
+    device = device_under_test()
+    return draft_model if device == "cpu" else load_model(_draft_path(tmp_path_factory), device=device)
+
+
+@pytest.fixture(scope="session")
+def device_target_model(target_model, tmp_path_factory):
+    device = device_under_test()
+    return target_model if device == "cpu" else load_model(_target_path(tmp_path_factory), device=device)
 
 
 @pytest.fixture(autouse=True)
@@ -56,3 +77,13 @@ def drafter(draft_model):
 @pytest.fixture
 def verifier(target_model):
     return VerifierEngine(target_model)
+
+
+@pytest.fixture
+def device_drafter(device_draft_model):
+    return DrafterEngine(device_draft_model)
+
+
+@pytest.fixture
+def device_verifier(device_target_model):
+    return VerifierEngine(device_target_model)

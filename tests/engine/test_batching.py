@@ -2,7 +2,8 @@
 
 Draft, Lookahead, Score and Verify calls from many sessions run in threads at once on batching
 engines; the same requests on engines that run each pass alone (BatchConfig(enabled=False))
-give the reference. Tokens must be equal and rows equal within float tolerance.
+give the reference. Tokens must be equal and rows equal within float tolerance. Marked `device`:
+on SPECDEC_TEST_DEVICE (cpu here, cuda on the GPU machine; tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from specdec.engine.api import DraftRequest, LookaheadRequest, ScoreRequest, VerifyRequest
@@ -53,7 +55,8 @@ def prompts(n: int) -> list[list[int]]:
     return [[(3 * i + j) % 8 for j in range(1 + i % 5)] for i in range(n)]
 
 
-def test_concurrent_drafts_and_lookaheads_equal_lone_ones(draft_model):
+@pytest.mark.device
+def test_concurrent_drafts_and_lookaheads_equal_lone_ones(device_draft_model):
     def calls(engine: DrafterEngine) -> list[Callable[[], object]]:
         out: list[Callable[[], object]] = []
         for i, prompt in enumerate(prompts(8)):
@@ -67,9 +70,9 @@ def test_concurrent_drafts_and_lookaheads_equal_lone_ones(draft_model):
                 out.append(lambda r=request: engine.lookahead(r))
         return out
 
-    shared = DrafterEngine(draft_model, batching=SHARED)
+    shared = DrafterEngine(device_draft_model, batching=SHARED)
     batched = in_threads(calls(shared))
-    alone = [call() for call in calls(DrafterEngine(draft_model, batching=ALONE))]
+    alone = [call() for call in calls(DrafterEngine(device_draft_model, batching=ALONE))]
     for got, want in zip(batched, alone, strict=True):
         drafts = [(b.token, b.draft) for b in got.branches] if hasattr(got, "branches") else [(None, got)]
         wanted = [(b.token, b.draft) for b in want.branches] if hasattr(want, "branches") else [(None, want)]
@@ -81,7 +84,8 @@ def test_concurrent_drafts_and_lookaheads_equal_lone_ones(draft_model):
     assert stats["batch_calls"] > stats["batches"], stats
 
 
-def test_concurrent_scores_and_verifies_equal_lone_ones(target_model):
+@pytest.mark.device
+def test_concurrent_scores_and_verifies_equal_lone_ones(device_target_model):
     """Several sessions: a Score for some, then every Verify, all at once; ERSD (no draft rows) over
     sequences and trees, greedy and seeded T = 1."""
     trees = [([1, 2, 3], [-1, 0, 1]), ([4], [-1]), ([5, 6, 7, 1], [-1, -1, 0, 2]), ([2, 2], [-1, 0])]
@@ -105,9 +109,9 @@ def test_concurrent_scores_and_verifies_equal_lone_ones(target_model):
             call()
         return [call() for call in verifies]
 
-    shared = VerifierEngine(target_model, batching=SHARED)
+    shared = VerifierEngine(device_target_model, batching=SHARED)
     batched = run(shared, concurrently=True)
-    alone = run(VerifierEngine(target_model, batching=ALONE), concurrently=False)
+    alone = run(VerifierEngine(device_target_model, batching=ALONE), concurrently=False)
     for got, want in zip(batched, alone, strict=True):
         assert (got.tokens, got.accepted_nodes, got.committed_len) == (
             want.tokens, want.accepted_nodes, want.committed_len)

@@ -26,7 +26,7 @@ TREE = optimal_tree_shape([0.5, 0.3, 0.1], 7)
 
 
 def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -48,8 +48,11 @@ LOOPS = {  # method, shape, a, k_max
 }
 
 
+@pytest.mark.device  # on SPECDEC_TEST_DEVICE (tests/conftest.py)
 @pytest.mark.parametrize("name", list(LOOPS))
-def test_greedy_speculation_equals_plain_greedy_decoding(drafter, verifier, target_model, name):
+def test_greedy_speculation_equals_plain_greedy_decoding(device_drafter, device_verifier, device_target_model,
+                                                         name):
+    drafter, verifier, target_model = device_drafter, device_verifier, device_target_model
     method, shape, a, k_max = LOOPS[name]
     n = 14
     for i, prompt in enumerate(PROMPTS):
@@ -84,13 +87,16 @@ def test_greedy_with_greedy_drafts(drafter, verifier, target_model, method):
     assert stats.accepted > 0
 
 
-def test_ersd_equals_target_only_race_decoding(drafter, verifier, target_model):
+@pytest.mark.device  # on SPECDEC_TEST_DEVICE (tests/conftest.py)
+def test_ersd_equals_target_only_race_decoding(device_drafter, device_verifier, device_target_model):
     """With a seed, ERSD emits argmin e_n / P_n at every position n, whatever the drafts."""
+    drafter, verifier, target_model = device_drafter, device_verifier, device_target_model
     prompt, seed, n = [3, 1, 4], 21, 16
     sequence = list(prompt)
     for _ in range(n):
         with torch.no_grad():
-            logits = target_model.model(input_ids=torch.tensor([sequence])).logits[0, -1].float()
+            ids = torch.tensor([sequence], device=target_model.model.device)
+            logits = target_model.model(input_ids=ids).logits[0, -1].float().cpu()
         sequence.append(race_winner(race(seed, len(sequence), 8), warp_logits(logits, T1)))
     for shape in ([-1, 0, 1, 2], TREE):
         out, stats = speculate(drafter, verifier, f"e{len(shape)}", prompt, n, "ersd", shape, T1, seed=seed)

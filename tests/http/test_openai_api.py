@@ -217,19 +217,21 @@ async def test_chat_without_a_template_is_a_clear_400(engines) -> None:
 async def test_a_full_server_answers_429(engines) -> None:
     orchestrator = make_orchestrator(engines, max_active_requests=1, queue_timeout_s=0.0, pipeline=False)
     server = await serve(orchestrator, served_model_name=MODEL)
-    holder = orchestrator.generate_stream(GenerationRequest(prompt="t1", max_new_tokens=50))
+    await orchestrator.admission.acquire()  # a running request holds the only request slot
+    held = True
     try:
-        await anext(holder)  # a suspended stream holds the only request slot
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
                                       max_retries=0) as client:
             with pytest.raises(openai.RateLimitError) as caught:
                 await client.completions.create(model=MODEL, prompt="t1", max_tokens=2)
             assert caught.value.status_code == 429 and "overloaded" in caught.value.body["message"]
-            await holder.aclose()
+            orchestrator.admission.release()
+            held = False
             done = await client.completions.create(model=MODEL, prompt="t1", max_tokens=2)
             assert done.usage.completion_tokens >= 1
     finally:
-        await holder.aclose()
+        if held:
+            orchestrator.admission.release()
         await server.stop(1.0)
         await orchestrator.close()
 

@@ -98,14 +98,17 @@ def test_the_config_limits_and_their_environment_variables(monkeypatch):
 async def test_a_second_request_is_refused_while_the_only_slot_is_held(make_orchestrator):
     orch = make_orchestrator(max_active_requests=1, queue_timeout_s=0.05)
     stream = orch.generate_stream(_request())
-    first = await stream.__anext__()  # the first request runs, suspended between two chunks
-    assert first.token_ids and first.result is None and orch.admission_stats()["active"] == 1
-    with pytest.raises(Overloaded, match="orchestrator busy: 1 requests running and 0 waiting"):
-        await orch.generate(_request(seed=2))
-    with pytest.raises(Overloaded):
-        await _drain(orch.resume_stream("any-id"))  # resuming needs a slot too
-    await stream.aclose()  # closing the stream frees its slot
-    assert orch.admission_stats() == {"active": 0, "waiting": 0, "rejected": 2, "limit": 1}
+    first = await stream.__anext__()  # the first request runs (a stream not read pauses without its slot)
+    assert first.token_ids and first.result is None
+    await stream.aclose()  # closing the stream frees its slot at once
+    assert orch.admission_stats()["active"] == 0
+    async with orch.admission.slot():  # another request holds the only slot
+        with pytest.raises(Overloaded, match="orchestrator busy: 1 requests running and 0 waiting"):
+            await orch.generate(_request(seed=2))
+        with pytest.raises(Overloaded):
+            await _drain(orch.resume_stream("any-id"))  # resuming needs a slot too
+    assert orch.admission_stats() == {"active": 0, "waiting": 0, "rejected": 2, "limit": 1,
+                                      "paused": 0, "idle_closed": 0, "caller_refused": 0}
     result = await orch.generate(_request(seed=2))
     assert len(result.token_ids) == 6
     await orch.close()
@@ -123,7 +126,8 @@ async def test_a_waiting_request_runs_once_the_first_finishes(make_orchestrator)
     async with asyncio.timeout(WAIT_S):
         result = await waiting
     assert len(result.token_ids) == 6
-    assert orch.admission_stats() == {"active": 0, "waiting": 0, "rejected": 0, "limit": 1}
+    assert orch.admission_stats() == {"active": 0, "waiting": 0, "rejected": 0, "limit": 1,
+                                      "paused": 0, "idle_closed": 0, "caller_refused": 0}
     await orch.close()
 
 

@@ -361,6 +361,9 @@ async def _die_after(orch, request, chunks: int):
     stream = orch.generate_stream(request)
     for _ in range(chunks):
         await stream.__anext__()
+    async with asyncio.timeout(30):  # its run stops once it has paused for its reader (admission.paced)
+        while orch.admission_stats()["paused"] != 1:
+            await asyncio.sleep(0.01)
     return stream
 
 

@@ -21,9 +21,11 @@ from specdec.errors import StoreUnavailable
 from specdec.rpc.security import ANONYMOUS
 from tests.redis_server import RedisServer
 
+OWNER = "token:aaa"
+
 
 def _record(request_id: str = "req-1", tokens: list[int] | None = None,
-            owner: str = "token:aaa") -> RequestRecord:
+            owner: str = OWNER) -> RequestRecord:
     return RequestRecord(request_id=request_id, status="running", prompt_ids=[1, 2],
                          token_ids=list(tokens or [3]), params={"method": "token"}, seed=7, owner=owner,
                          lease_until=123.5)
@@ -43,22 +45,38 @@ async def store(request):
 async def test_create_never_overwrites(store):
     first = _record(tokens=[3, 4, 5])
     assert await store.create_request(first)
-    stored = await store.get_request("req-1")
+    stored = await store.get_request("req-1", OWNER)
     assert stored == first and stored.owner == "token:aaa" and stored.lease_until == 123.5
-    assert not await store.create_request(_record(tokens=[9], owner="token:bbb"))
-    assert await store.get_request("req-1") == stored  # untouched, updated_at included
+    assert not await store.create_request(_record(tokens=[9]))
+    assert await store.get_request("req-1", OWNER) == stored  # untouched, updated_at included
+
+
+async def test_request_ids_are_scoped_to_their_owner(store):
+    """Another owner's request_id is another record: created beside it, neither seen nor touched."""
+    mine = _record(tokens=[3, 4, 5])
+    assert await store.create_request(mine)
+    assert await store.get_request("req-1", "token:bbb") is None
+    assert await store.get_request("req-1") is None  # nor by the anonymous caller
+    theirs = _record(tokens=[9], owner="token:bbb")
+    assert await store.create_request(theirs)
+    assert await store.put_request(_record(tokens=[9, 8], owner="token:bbb"))
+    assert (await store.get_request("req-1", "token:bbb")).token_ids == [9, 8]
+    assert await store.get_request("req-1", OWNER) == mine  # untouched, updated_at included
+    anonymous = _record(tokens=[7], owner=ANONYMOUS)
+    assert await store.create_request(anonymous)
+    assert (await store.get_request("req-1")).token_ids == [7]
 
 
 async def test_replace_is_compare_and_set(store):
     await store.create_request(_record())
-    seen = await store.get_request("req-1")
+    seen = await store.get_request("req-1", OWNER)
     mine = _record(tokens=[3, 1])
     assert await store.replace_request(mine, if_updated_at=seen.updated_at)
     theirs = _record(tokens=[3, 2])
     assert not await store.replace_request(theirs, if_updated_at=seen.updated_at)  # stale version
-    assert (await store.get_request("req-1")).token_ids == [3, 1]
+    assert (await store.get_request("req-1", OWNER)).token_ids == [3, 1]
     assert not await store.replace_request(_record("missing"), if_updated_at=0.0)
-    assert await store.get_request("missing") is None
+    assert await store.get_request("missing", OWNER) is None
 
 
 async def test_ping_when_up(store):
@@ -90,9 +108,9 @@ async def test_memory_records_expire_after_their_ttl():
     await store.put_request(_record("a", [3, 4]))  # progress renews the TTL
     await store.create_request(_record("b"))
     clock.now += 6  # a: 6 s after its last write; b: 6 s
-    assert (await store.get_request("a")).token_ids == [3, 4]
+    assert (await store.get_request("a", OWNER)).token_ids == [3, 4]
     clock.now += 4.5
-    assert await store.get_request("a") is None and await store.get_request("b") is None
+    assert await store.get_request("a", OWNER) is None and await store.get_request("b", OWNER) is None
     assert len(store) == 0
     assert await store.create_request(_record("a"))  # an expired id is free again
 
@@ -104,21 +122,21 @@ async def test_memory_store_is_bounded_least_recently_written_first():
     await store.put_request(_record("a", [3, 4]))  # a is now the most recently written
     await store.create_request(_record("d"))
     assert len(store) == 3
-    assert await store.get_request("b") is None
-    assert [(await store.get_request(n)) is not None for n in "acd"] == [True, True, True]
+    assert await store.get_request("b", OWNER) is None
+    assert [(await store.get_request(n, OWNER)) is not None for n in "acd"] == [True, True, True]
 
 
 async def test_redis_honours_the_ttl(redis_url):
     store = RedisStore(redis_url, ttl_seconds=7, prefix="test-ttl")
     try:
         await store.create_request(_record("t"))
-        ttl = await store._redis.ttl(store._request_key("t"))
+        ttl = await store._redis.ttl(store._request_key(OWNER, "t"))
         assert 0 < ttl <= 7
-        await store._redis.expire(store._request_key("t"), 2)
+        await store._redis.expire(store._request_key(OWNER, "t"), 2)
         await store.put_request(_record("t", [3, 4]))  # progress renews it
-        assert 2 < await store._redis.ttl(store._request_key("t")) <= 7
+        assert 2 < await store._redis.ttl(store._request_key(OWNER, "t")) <= 7
     finally:
-        await store._redis.delete(store._request_key("t"))
+        await store._redis.delete(store._request_key(OWNER, "t"))
         await store.close()
 
 
@@ -146,7 +164,7 @@ async def test_a_redis_outage_is_store_unavailable_logged_once(tmp_path, caplog)
         assert await store.create_request(_record())
         await store.ping()
         server.kill()
-        calls = [store.ping(), store.get_request("req-1"), store.put_request(_record()),
+        calls = [store.ping(), store.get_request("req-1", OWNER), store.put_request(_record()),
                  store.create_request(_record("other")), store.replace_request(_record(), if_updated_at=0.0),
                  store.add_calibration("pair", {"x": 1}), store.get_calibration("pair")]
         for call in calls:
@@ -159,7 +177,7 @@ async def test_a_redis_outage_is_store_unavailable_logged_once(tmp_path, caplog)
 
         server.start()  # same port, empty (no persistence)
         await store.ping()
-        assert await store.get_request("req-1") is None
+        assert await store.get_request("req-1", OWNER) is None
         assert sum("reachable again" in r.getMessage() for r in caplog.records) == 1
     finally:
         await store.close()

@@ -3,8 +3,9 @@ verifier servers on tiny real models (loopback).
 
 A seeded request whose client went away mid-stream resumes token for token as the uninterrupted run
 (token, block, ersd, rd at T = 1, pipelined as served by default); Generate never overwrites a stored
-request (ALREADY_EXISTS); a record is bound to the bearer token that created it (another token gets
-NOT_FOUND, worded as for a missing id); a live run is not resumed twice (ABORTED); and a Redis outage,
+request of its owner (ALREADY_EXISTS); a record is bound to the bearer token that created it (another
+token gets NOT_FOUND, worded as for a missing id, and its Generate with that id makes its own record,
+so the id's existence is never revealed); a live run is not resumed twice (ABORTED); and a Redis outage,
 before or during a request, is UNAVAILABLE naming the store, never INTERNAL.
 """
 
@@ -41,7 +42,7 @@ from specdec.rpc import (
     generation_convert,
 )
 from specdec.rpc.grpc_support import stop_server  # noqa: E402
-from specdec.rpc.security import ClientSecurity  # noqa: E402
+from specdec.rpc.security import ANONYMOUS, ClientSecurity, digest  # noqa: E402
 from specdec.rpc.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 from specdec.runtime.loading import load_model  # noqa: E402
 from specdec.runtime.tiny import save_tiny_model  # noqa: E402
@@ -58,6 +59,7 @@ N = 40
 RELEASE_WAIT_S = 5.0  # well under the 10 s lease: a closed stream must hand its lease back itself
 METHODS = [("token", {"k": 3}), ("block", {"k": 4}), ("ersd", {"k": 3}), ("rd", {"k": 3, "a": 0.5})]
 ALICE, BOB = ClientSecurity(token="alice-secret"), ClientSecurity(token="bob-secret")
+ALICE_ID, BOB_ID = f"token:{digest('alice-secret')}", f"token:{digest('bob-secret')}"  # their owners
 
 
 @dataclass
@@ -84,13 +86,14 @@ class Stack:
 
 
 @asynccontextmanager
-async def serving(engines: Engines, store: Store | None = None) -> AsyncIterator[Stack]:
-    """The three services on loopback, the orchestrator with its default (pipelined) settings."""
+async def serving(engines: Engines, store: Store | None = None, **config) -> AsyncIterator[Stack]:
+    """The three services on loopback, the orchestrator with its default (pipelined) settings but
+    `config`'s."""
     drafter_server, drafter_port = await start_drafter_server(engines.drafter)
     verifier_server, verifier_port = await start_verifier_server(engines.verifier)
     orchestrator = Orchestrator(GrpcDrafterClient(f"127.0.0.1:{drafter_port}"),
-                                GrpcVerifierClient(f"127.0.0.1:{verifier_port}"), OrchestratorConfig(),
-                                store=store)
+                                GrpcVerifierClient(f"127.0.0.1:{verifier_port}"),
+                                OrchestratorConfig(**config), store=store)
     server, port = await start_orchestrator_server(orchestrator)
     try:
         yield Stack(orchestrator, f"127.0.0.1:{port}")
@@ -117,11 +120,11 @@ async def _cut(client: AsyncClient, request: GenerationRequest, chunks: int = 2)
     return received
 
 
-async def _released(stack: Stack, request_id: str) -> None:
+async def _released(stack: Stack, request_id: str, owner: str = ANONYMOUS) -> None:
     """Wait (bounded) until the cut run has stopped and handed its lease back."""
     deadline = time.monotonic() + RELEASE_WAIT_S
     while True:
-        record = await stack.orchestrator.store.get_request(request_id)
+        record = await stack.orchestrator.store.get_request(request_id, owner)
         if record.lease_until == 0.0:
             return
         assert time.monotonic() < deadline, f"the run of {request_id} kept its lease after its client left"
@@ -165,8 +168,8 @@ async def test_a_record_is_bound_to_the_token_that_created_it(engines):
     async with (serving(engines) as stack, stack.client(ALICE) as alice, stack.client(BOB) as bob,
                 stack.client() as anonymous):
         received = await _cut(alice, _request("mine"), chunks=1)
-        await _released(stack, "mine")
-        before = (await stack.orchestrator.store.get_request("mine")).to_json()
+        await _released(stack, "mine", ALICE_ID)
+        before = (await stack.orchestrator.store.get_request("mine", ALICE_ID)).to_json()
         messages = []
         for client, request_id in ((bob, "mine"), (anonymous, "mine"), (alice, "absent")):
             with pytest.raises(NotFound) as info:
@@ -175,15 +178,19 @@ async def test_a_record_is_bound_to_the_token_that_created_it(engines):
         with pytest.raises(NotFound):  # the streaming form too
             await bob.resume_stream("mine").__anext__()
         assert len(set(messages)) == 1 and "no stored request ID" in messages[0]  # existence not revealed
-        with pytest.raises(AlreadyExists):  # nor can another token overwrite it
-            await bob.generate(_request("mine", seed=9))
-        assert (await stack.orchestrator.store.get_request("mine")).to_json() == before
+        # Bob's Generate with alice's id is neither refused (which would reveal it) nor a write to it:
+        # his own request, in his own namespace of ids.
+        theirs = await bob.generate(_request("mine", seed=9, n=12))
+        assert len(theirs.token_ids) == 12 and theirs.request_id == "mine"
+        assert (await stack.orchestrator.store.get_request("mine", ALICE_ID)).to_json() == before
+        assert (await stack.orchestrator.store.get_request("mine", BOB_ID)).owner == BOB_ID
         assert "alice-secret" not in before and "bob-secret" not in before  # only a digest is stored
+        with pytest.raises(NotFound):  # and the anonymous caller still sees neither
+            await anonymous.resume("mine")
 
         result = await alice.resume("mine")
         assert result.token_ids[: len(received)] == received and len(result.token_ids) == N
-        with pytest.raises(NotFound):  # finished, still alice's
-            await bob.resume("mine")
+        assert (await bob.resume("mine")).token_ids == theirs.token_ids  # each sees its own
 
 
 async def test_resume_without_an_id_is_invalid_argument(engines):
@@ -216,8 +223,8 @@ async def test_a_redis_outage_is_unavailable_naming_the_store(engines, tmp_path,
     caplog.set_level(logging.INFO)
     redis_server = RedisServer(tmp_path).start()
     store = RedisStore(redis_server.url, prefix="test-resume-grpc", timeout_seconds=1.0)
-    try:
-        async with serving(engines, store) as stack, stack.client() as client:
+    try:  # a short outage grace: a request cut by the outage ends soon (tests/services/test_redis_hang.py)
+        async with serving(engines, store, store_outage_grace_s=0.5) as stack, stack.client() as client:
             await client.generate(_request("before", n=4))
 
             redis_server.kill()

@@ -148,6 +148,29 @@ app.kubernetes.io/part-of: specdec
 {{- end }}
 {{- end }}
 
+{{/* The Secret holding the engine token (key `token`): auth.engineTokenSecret, else the one the chart
+     makes (engine-token-secret.yaml). Engines always get a token: they refuse to serve a pod address
+     open (serve --insecure-engine). */}}
+{{- define "specdec.engineTokenSecret" -}}
+{{- .Values.auth.engineTokenSecret | default (printf "%s-engine-token" (include "specdec.fullname" .)) }}
+{{- end }}
+
+{{/* The /metrics options of a role (port, host, token, TLS), one list item per line. */}}
+{{- define "specdec.metricsArgs" -}}
+{{- $m := .root.Values.observability.metrics }}
+- --metrics-port
+- {{ .port | int | quote }}
+- --metrics-host
+- {{ .root.Values.listenHost | quote }}
+{{- if $m.tokenSecret }}
+- --metrics-token-file
+- /etc/specdec/metrics-token/token
+{{- end }}
+{{- if $m.tls }}
+- --metrics-tls
+{{- end }}
+{{- end }}
+
 {{/* Volumes every pod has: /tmp, and the TLS / token Secrets when configured. */}}
 {{- define "specdec.commonVolumes" -}}
 - name: tmp
@@ -159,6 +182,12 @@ app.kubernetes.io/part-of: specdec
     secretName: {{ .Values.tls.secretName }}
     defaultMode: 0440
 {{- end }}
+{{- if and .Values.observability.metrics.enabled .Values.observability.metrics.tokenSecret }}
+- name: metrics-token
+  secret:
+    secretName: {{ .Values.observability.metrics.tokenSecret }}
+    defaultMode: 0440
+{{- end }}
 {{- end }}
 
 {{- define "specdec.commonVolumeMounts" -}}
@@ -167,6 +196,15 @@ app.kubernetes.io/part-of: specdec
 {{- if .Values.tls.enabled }}
 - name: tls
   mountPath: /etc/specdec/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The /metrics token's mount: in a role's main container only (not in init containers). */}}
+{{- define "specdec.metricsTokenMount" -}}
+{{- if and .Values.observability.metrics.enabled .Values.observability.metrics.tokenSecret }}
+- name: metrics-token
+  mountPath: /etc/specdec/metrics-token
   readOnly: true
 {{- end }}
 {{- end }}
@@ -190,6 +228,9 @@ app.kubernetes.io/part-of: specdec
 {{- end }}
 {{- if and .Values.tls.requireClientCert (not .Values.tls.enabled) }}
 {{- fail "tls.requireClientCert needs tls.enabled" }}
+{{- end }}
+{{- if and .Values.observability.metrics.tls (not .Values.tls.enabled) }}
+{{- fail "observability.metrics.tls serves /metrics with the TLS Secret's certificate: it needs tls.enabled" }}
 {{- end }}
 {{- if and (not (include "specdec.drafterEnabled" .)) (eq (toString .Values.orchestrator.draftSource) "model") }}
 {{- fail "orchestrator.draftSource model needs the draft model: with drafter.enabled=false choose hybrid, lookup or suffix" }}
