@@ -20,7 +20,25 @@ kill: three phases, each with N concurrent streaming clients (seeded, T = 1, EOS
 soak: N closed-loop clients for --minutes; the RSS of each service every --sample-seconds; the
   growth over the second half (least-squares slope, MB/min) says whether memory is flat.
 
-Figures go to OUT/{kill,soak}.json and .md; docs/reliability.md quotes them with this command.
+Hostile clients (issue 29; bench/reliability_hostile.py, each bounded to a few minutes, --quick to
+about one; each result has a `goals` section, true or false as measured):
+  slow-reader    4 HTTP connections × n=16 SSE streams and 8 gRPC streams that never read, beside a
+                 well-behaved client: its delay against its baseline, slots held, whether the
+                 non-readers are cut after --stream-idle-timeout and can be resumed.
+  abort-storm    1,000 SSE streams dropped after their first event + 10 closed with the openai
+                 package's stream.close(): specdec_active_requests and engine sessions before / after.
+  template-bomb  nested-loop, 10 MB and 1 GB-output caller templates to ApplyChatTemplate on a
+                 verifier without a token, Tokenize calls beside: answers, latencies, RSS (the
+                 harness kills a verifier past 3 GB RSS).
+  log-flood      1,000 malformed and 300 unauthenticated HTTP requests: log bytes per request,
+                 tracebacks, whether keep-alive survived.
+  supervisor     `specdec up`; kill -9 drafter, verifier, orchestrator twice each while seeded clients
+                 stream: requests lost, resumed outputs vs the undisturbed run, recovery, `up` alive.
+  redis-hang     SIGSTOP the store's redis-server 8 s and 20 s during streams, then kill -9 and restart
+                 it: in-flight outcomes, new requests meanwhile, recovery, resumed exactness.
+  hostile        all six, one after the other.
+
+Figures go to OUT/MODE.json and .md; docs/reliability.md quotes them with this command.
 """
 
 from __future__ import annotations
@@ -50,6 +68,8 @@ from specdec.cli import processes
 from specdec.rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 STARTUP_TIMEOUT_S = 240.0
+# The hostile-client scenarios (bench.reliability_hostile.SCENARIOS, named here to keep imports one-way).
+HOSTILE = ("slow-reader", "abort-storm", "template-bomb", "log-flood", "supervisor", "redis-hang")
 CALL_TIMEOUT_S = 300.0
 Say = Callable[[str], None]
 
@@ -201,12 +221,12 @@ def request(client: int, *, request_id: str, method: str, max_new_tokens: int, p
 
 
 async def stream_one(address: str, req: generation_pb2.GenerationRequest, client: int,
-                     started: asyncio.Event | None = None) -> Stream:
+                     started: asyncio.Event | None = None, timeout_s: float = CALL_TIMEOUT_S) -> Stream:
     out = Stream(client, req.request_id)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
-            async for chunk in stub.GenerateStream(req, timeout=CALL_TIMEOUT_S):
+            async for chunk in stub.GenerateStream(req, timeout=timeout_s):
                 out.tokens += list(chunk.token_ids)
                 if started is not None and out.tokens:
                     started.set()
@@ -595,7 +615,10 @@ def _s(value: float | None) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.bench_reliability", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=("kill", "soak", "abuse"))
+    p.add_argument("mode", choices=("kill", "soak", "abuse", *HOSTILE, "hostile"),
+                   help="What to measure (described above); hostile runs the six hostile-client scenarios.")
+    p.add_argument("--quick", action="store_true",
+                   help="Hostile scenarios: a reduced size (about a minute each; what the tests run).")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="Tokens per request (default: 400 for kill, 32 for soak).")
@@ -611,7 +634,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_hostile(args: argparse.Namespace, argv: Sequence[str] = (), progress: Say = say) -> dict[str, Any]:
+    """One hostile-client scenario, or all six (mode hostile), each with its own services."""
+    from bench import reliability_hostile as hostile
+
+    names = HOSTILE if args.mode == "hostile" else (args.mode,)
+    models = Models(args.draft, args.target) if args.draft and args.target else None
+    everything: dict[str, Any] = {}
+    command = "python -m bench.bench_reliability " + " ".join(argv)
+    for name in names:
+        progress(f"=== {name} ===")
+        results = hostile.run_scenario(name, quick=args.quick, models=models, progress=progress)
+        report = hostile.render(name, results)
+        everything[name] = results
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{name}.json").write_text(json.dumps({"mode": name, "command": command,
+                                                               "results": results}, indent=2))
+            (args.out / f"{name}.md").write_text(f"`{command}`\n\n{report}")
+        progress(report)
+    return everything
+
+
 def run(args: argparse.Namespace, argv: Sequence[str] = (), progress: Say = say) -> dict[str, Any]:
+    if args.mode in (*HOSTILE, "hostile"):
+        return run_hostile(args, argv, progress)
     with tempfile.TemporaryDirectory(prefix="specdec-reliability-") as tmp:
         workdir = Path(tmp)
         if args.draft and args.target:
