@@ -242,6 +242,14 @@ def unique(prefix: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # slow-reader
 # ----------------------------------------------------------------------------------------------
+def _ending(data: bytes) -> str:
+    """How an SSE body read to its end ended: 'completed' ([DONE] after the results), 'cut' (closed
+    without [DONE], or an error event before it: the door closed the streams, e.g. idle)."""
+    if b"[DONE]" not in data or b'"error"' in data:
+        return "cut"
+    return "completed"
+
+
 class NonReader:
     """A raw HTTP connection that asks for SSE streams, reads the headers and the first event (for the
     response id), then never reads again: its receive buffer is kept small so the server feels it."""
@@ -283,10 +291,10 @@ class NonReader:
             except OSError:
                 return "cut"
             if not chunk:
-                return "completed" if b"[DONE]" in data else "cut"
+                return _ending(data)
             data += chunk
             if b"[DONE]" in data:
-                return "completed"
+                return _ending(data)
         return "open"
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from orchestrator.admission import CALLER_KEY, door_write_timeout
 from orchestrator.openai_http import responses
+from orchestrator.openai_http.connections import wait_until_read
 from orchestrator.openai_http.errors import REFUSALS
 from orchestrator.openai_http.schemas import ChatCompletionRequest, CompletionRequest, json_kind, param_of
 from specdec.errors import NotFound, Unauthenticated
@@ -380,7 +381,9 @@ class _ReaderIdle(Exception):
 
 
 class EventStream(StreamingResponse):
-    """An SSE response whose body is closed however the response ends: all sent, the client gone
+    """An SSE response that takes the next event only once the client has read all but a few kB of
+    the earlier ones (openai_http.connections), so an unread stream's runs pause within a few events.
+    Its body is closed however the response ends: all sent, the client gone
     (Starlette cancels the sending on http.disconnect, and would leave the body unclosed had it been
     waiting in a write), or a write that waits door_write_timeout(idle_timeout_s) because the client
     reads nothing (its runs were closed after idle_timeout_s), after which the connection is closed.
@@ -397,6 +400,8 @@ class EventStream(StreamingResponse):
         async def timed_send(message: Message) -> None:
             try:
                 async with asyncio.timeout(door_write_timeout(self.idle_timeout_s)):
+                    if message.get("type") == "http.response.body":  # pull no more while it is unread
+                        await wait_until_read(scope.get("client"))
                     await send(message)
             except TimeoutError:
                 raise _ReaderIdle() from None

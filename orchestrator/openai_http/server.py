@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 import ssl
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from orchestrator.metrics import HttpMetrics, http_route
+from orchestrator.openai_http.connections import UnreadAwareH11
 from orchestrator.openai_http.errors import REFUSALS
 
 log = logging.getLogger(__name__)
@@ -159,14 +159,6 @@ class HttpServer:
             pass
 
 
-# Each connection's kernel send buffer (accepted sockets inherit the listener's). Left to autotuning it
-# grows to megabytes (tcp_wmem), which a client that stops reading fills without the door's writes
-# ever waiting, so its streams would never look unread and would keep their request slots
-# (admission.paced). Fixed at 64 KiB (the kernel doubles it), a non-reader is seen within a few
-# hundred kilobytes; a reading client is not slowed (events are small, loopback and LAN RTTs short).
-SEND_BUFFER_BYTES = 64 * 1024
-
-
 async def start_http_server(app: Any, host: str = "127.0.0.1", port: int = 8000, *,
                             max_body_bytes: int = 8 * 2**20, tls: HttpTls | None = None,
                             metrics: HttpMetrics | None = None) -> HttpServer:
@@ -181,11 +173,10 @@ async def start_http_server(app: Any, host: str = "127.0.0.1", port: int = 8000,
     served: Any = BodyLimit(app, max_body_bytes)
     if metrics is not None:
         served = RequestMetrics(served, metrics)
-    config = uvicorn.Config(served, host=host, port=port, lifespan="off",
+    config = uvicorn.Config(served, host=host, port=port, lifespan="off", http=UnreadAwareH11,
                             access_log=False, log_level="warning", log_config=None,
                             timeout_graceful_shutdown=5, **options)
     sock = config.bind_socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"http {host}:{port}")
     for _ in range(500):  # bounded: startup is a few milliseconds
