@@ -423,10 +423,11 @@ async def slow_reader(workdir: Path, models: br.Models, size: Size, progress: br
         "grpc_outcomes": dict(collections.Counter(grpc_outcomes)),
         "resumed": resumed, "active_requests_at_end": after.get("specdec_active_requests"),
         "goals": {
-            # Delayed by no more than one request's time (a little slack for a busy 2-core machine).
+            # The figure: delayed by no more than one request's time (its own median alone),
+            # with 0.1 s of slack for a busy 2-core machine.
             "victim_delayed_at_most_one_request": bool(
                 beside_s and len(beside_s) == len(beside) and delay is not None
-                and delay <= baseline + 0.1 + 0.25 * baseline),
+                and delay <= baseline + 0.1),
             "nonreaders_cut_after_idle_timeout": cut == nonreaders,
             "nonreaders_resumable": len(complete) == len(resume_ids) and bool(resume_ids),
         },

@@ -53,16 +53,7 @@ def test_scrape_sums_a_metric_over_its_labels(tmp_path) -> None:
     assert hostile.scrape(None) == {}
 
 
-# Known gap (issue 29, docs/reliability.md "Hostile clients: measured"): the kernel's socket buffers
-# absorb a few hundred kB of SSE per connection before the door's write waits, so HTTP non-readers
-# keep their slots (and the CPU) for as long as that takes; gRPC non-readers pause and are cut.
-# strict: once the gap is closed this XPASSes and fails, and the mark must go.
-SLOW_READER_GAP = pytest.mark.xfail(strict=True, reason="HTTP non-readers are seen only once kernel "
-                                    "buffers fill (issue 29, docs/reliability.md)")
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=SLOW_READER_GAP) if name == "slow-reader" else name
-                                  for name in hostile.SCENARIOS])
+@pytest.mark.parametrize("name", hostile.SCENARIOS)
 def test_scenario_runs_quick_and_meets_its_goals(name: str, models: br.Models) -> None:
     lines: list[str] = []
     results = hostile.run_scenario(name, quick=True, models=models, progress=lines.append)
