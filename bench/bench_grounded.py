@@ -22,16 +22,18 @@ Configurations (--configs picks a subset; they always run in this order):
     model         server A, draft_source "model" (the draft model only, as before model-free drafts)
     drafter-none  server B, `specdec up --drafter none` (no draft model, the verifier on every core),
                   a request with no knobs: hybrid, so model-free drafts or target-only steps
+    target-only   server B, method "autoregressive": a target-only step per token, what plain HF
+                  does, through the services (their overhead per token, beside hf's)
 
 Each round has two phases, so the two servers never run at once: phase A starts server A and walks
 every prompt, running hf, hf-lookup, hf-assisted, specdec, lookup, suffix and model on each (for
 each prompt, each temperature, each configuration once, in that order), then stops it; phase B
-starts server B and walks the same prompts with drafter-none (so its × hf compares with the hf run
-of the same round's phase A, made a phase earlier). A server is started only when one of its
-configurations is selected. Each start is followed by one warm-up request per configuration
-(--warmup-tokens tokens, not counted); the HF rows warm up once, in the first round. The servers
-start with SPECDEC_USE_CALIBRATION=false (no saved calibration: the controller learns over a
-phase, as bench_mixed's does).
+starts server B and walks the same prompts with drafter-none and target-only (so their × hf
+compares with the hf run of the same round's phase A, made a phase earlier). A server is started
+only when one of its configurations is selected. Each start is followed by one warm-up request
+per configuration (--warmup-tokens tokens, not counted); the HF rows warm up once, in the first
+round. The servers start with SPECDEC_USE_CALIBRATION=false (no saved calibration: the
+controller learns over a phase, as bench_mixed's does).
 
 Agent loop: a family is one file and one system prompt with four small instructions, sent as four
 consecutive turns; each configuration walks a family's turns in order before the next
@@ -92,11 +94,13 @@ from bench.grounded_prompts import AGENT_FAMILIES, WORKLOADS, Item, prompt_ids, 
 from bench.machine import cpu_model
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
-CONFIGS = ("hf", "hf-lookup", "hf-assisted", "specdec", "lookup", "suffix", "model", "drafter-none")
+CONFIGS = ("hf", "hf-lookup", "hf-assisted", "specdec", "lookup", "suffix", "model", "drafter-none",
+           "target-only")
 HF_CONFIGS = ("hf", "hf-lookup", "hf-assisted")
-SERVER_CONFIGS = {"A": ("specdec", "lookup", "suffix", "model"), "B": ("drafter-none",)}
+SERVER_CONFIGS = {"A": ("specdec", "lookup", "suffix", "model"), "B": ("drafter-none", "target-only")}
 REQUEST_SOURCE = {"specdec": None, "lookup": "lookup", "suffix": "suffix", "model": "model",
-                  "drafter-none": None}  # the request's draft_source (None: the server's default)
+                  "drafter-none": None, "target-only": None}  # request's draft_source (None: the server's)
+REQUEST_METHOD = {"target-only": "autoregressive"}  # the request's method (absent: the server's default)
 SERVING_CONFIGS = ("specdec", "drafter-none")  # default `up`, `up --drafter none`
 CACHE_CONFIGS = ("specdec", "suffix", "drafter-none")  # read and fill the suffix cache (hybrid: unseeded)
 SOURCES = ("model", "lookup", "suffix")
@@ -139,8 +143,9 @@ def phases(configs: Sequence[str]) -> list[tuple[str, list[str]]]:
     first = [c for c in CONFIGS if c in configs and (c in HF_CONFIGS or c in SERVER_CONFIGS["A"])]
     if first:
         out.append(("A" if any(c in SERVER_CONFIGS["A"] for c in first) else "", first))
-    if "drafter-none" in configs:
-        out.append(("B", ["drafter-none"]))
+    second = [c for c in CONFIGS if c in configs and c in SERVER_CONFIGS["B"]]
+    if second:
+        out.append(("B", second))
     return out
 
 
@@ -205,7 +210,8 @@ async def specdec_run(client, config: str, ids: list[int], max_new_tokens: int, 
 
     request = GenerationRequest(prompt_ids=list(ids), max_new_tokens=max_new_tokens,
                                 sampling=SamplingParams(temperature=temperature), stop_token_ids=[],
-                                draft_source=REQUEST_SOURCE[config], request_id=request_id)
+                                draft_source=REQUEST_SOURCE[config], method=REQUEST_METHOD.get(config),
+                                request_id=request_id)
     began = time.perf_counter()
     result = await client.generate(request)
     seconds = time.perf_counter() - began

@@ -8,7 +8,7 @@ other sessions. Errors map to status codes as documented in specdec/rpc/grpc_sup
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -91,12 +91,15 @@ async def start_drafter_server(
     max_workers: int | None = None,
     observers: Sequence[Any] = (),
     credentials: grpc.ServerCredentials | None = None,
+    worker_initializer: Callable[[], object] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a DrafterService (+ health, reflection) for `engine`; returns (server, bound port).
 
     max_workers: threads running engine calls; default: the engine's `batching.workers` (many for
     a batching engine, whose calls share passes), else 1 (calls one at a time, safe for any engine). Stop with
     specdec.rpc.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
+    worker_initializer: run first by each engine worker thread (serve passes
+    specdec.runtime.compute_thread.serial_torch: one OpenMP team per process).
     observers: told about every engine call (tracing spans, metrics); see
     specdec.rpc.grpc_support.run_observed.
     """
@@ -111,6 +114,7 @@ async def start_drafter_server(
         max_workers=max_workers if max_workers is not None else engine_workers(engine),
         thread_name_prefix="drafter-engine",
         credentials=credentials,
+        initializer=worker_initializer,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -148,12 +148,15 @@ async def start_verifier_server(
     max_workers: int | None = None,
     observers: Sequence[Any] = (),
     credentials: grpc.ServerCredentials | None = None,
+    worker_initializer: Callable[[], object] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a VerifierService (+ health, reflection) for `engine`; returns (server, bound port).
 
     max_workers: threads running engine calls; default: the engine's `batching.workers` (many for
     a batching engine, whose calls share passes), else 1 (calls one at a time, safe for any engine). Stop with
     specdec.rpc.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
+    worker_initializer: run first by each engine worker thread (serve passes
+    specdec.runtime.compute_thread.serial_torch: one OpenMP team per process).
     observers: told about every engine call (tracing spans, metrics); see
     specdec.rpc.grpc_support.run_observed. Tokenize and Decode run in a pool of their own
     (TEXT_WORKERS threads), ApplyChatTemplate calls with their own template in another
@@ -174,6 +177,7 @@ async def start_verifier_server(
             max_workers=max_workers if max_workers is not None else engine_workers(engine),
             thread_name_prefix="verifier-engine",
             credentials=credentials,
+            initializer=worker_initializer,
         )
     except BaseException:
         text_executor.shutdown(wait=False)

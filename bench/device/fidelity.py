@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench.device.common import StepArgs, StepResult, log, run_step, table
+from specdec.verification.fidelity import chi_square_p
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 6
@@ -126,32 +127,6 @@ def exact_law(model_dir: Path, device: str, dtype: str) -> dict[tuple, float]:
         for i, (a, b) in enumerate(pairs)
         for c in range(VOCAB)
     }
-
-
-def chi_square_p(samples: list[tuple], exact: dict[tuple, float]) -> float:
-    """Chi-square p-value; cells expected to hold fewer than 5 samples are pooled into one."""
-    from scipy.stats import chisquare
-
-    n = len(samples)
-    counts: dict[tuple, int] = {}
-    for s in samples:
-        counts[s] = counts.get(s, 0) + 1
-    observed, expected, rest_obs, rest_exp = [], [], 0, 0.0
-    for key, p in exact.items():
-        if n * p >= 5:
-            observed.append(counts.get(key, 0))
-            expected.append(n * p)
-        else:
-            rest_obs += counts.get(key, 0)
-            rest_exp += n * p
-    rest_obs += sum(c for key, c in counts.items() if key not in exact)
-    if rest_exp > 0:
-        observed.append(rest_obs)
-        expected.append(rest_exp)
-    if len(observed) < 2:
-        return 1.0
-    scale = sum(observed) / sum(expected)
-    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
 async def sample_methods(

@@ -216,11 +216,15 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
             threads = threads or len(core_list)
         path = resolve_model(model, role)
         from specdec.engine.sessions import SessionConfig
+        from specdec.runtime.compute_thread import ComputeThread
         from specdec.runtime.loading import load_model
 
         quiet_transformers()
+        # Loaded on the thread that will run every pass: one OpenMP team (runtime.compute_thread).
+        compute = ComputeThread(threads)
         with err.status(f"loading {role} model {path} …"):
-            loaded = load_model(path, device=device, dtype=dtype, threads=threads)
+            loaded = compute.call(load_model, path, device=device, dtype=dtype, threads=threads)
+        loaded.compute = compute
         engine_class, start_server = _engine_and_server(role)
         max_kv_tokens = kv_budget_tokens(kv_cache_mb, loaded.model)
         sessions = SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl,
@@ -246,13 +250,15 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
 
     async def main() -> None:
         from specdec.rpc.security import ServerSecurity, warn_if_exposed
+        from specdec.runtime.compute_thread import serial_torch
 
         door = security if security is not None else ServerSecurity()
         warn_if_exposed(host, tls=door.tls, token=door.authenticated, role=role)
         server, bound = await start_server(engine, host, port, max_message_mb=max_message_mb,
                                            max_workers=engine.batching.workers,
                                            interceptors=[*door.interceptors(), *obs.server_interceptors],
-                                           observers=obs.service_observers, credentials=door.credentials)
+                                           observers=obs.service_observers, credentials=door.credentials,
+                                           worker_initializer=serial_torch)
         info = loaded.info
         budget = f"{max_kv_tokens} KV tokens" if max_kv_tokens is not None else "no KV budget"
         await _announce_and_serve(

@@ -65,7 +65,7 @@ class DrafterEngine:
         self.loaded = loaded
         self.batching = batching or BatchConfig()
         # Runs every session's passes; concurrent calls from different sessions share them.
-        self._batcher = ForwardBatcher(loaded.model, self.batching)
+        self._batcher = ForwardBatcher(loaded.model, self.batching, compute=loaded.compute)
         self.sessions: SessionStore[DrafterSession] = SessionStore(
             self._new_session, sessions, clock, size_of=lambda session: session.kv.physical_len())
 

@@ -103,7 +103,7 @@ class VerifierEngine:
         self.loaded = loaded
         self.batching = batching or BatchConfig()
         # Runs every session's passes; concurrent calls from different sessions share them.
-        self._batcher = ForwardBatcher(loaded.model, self.batching, threads=threads)
+        self._batcher = ForwardBatcher(loaded.model, self.batching, threads=threads, compute=loaded.compute)
         self._verify = verify_fn or verify
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         # The most bytes a text that fits the context window can have (specdec.runtime.text_bounds),

@@ -393,11 +393,14 @@ async def start_engine_server(
     max_workers: int = 1,
     thread_name_prefix: str = "engine",
     credentials: grpc.ServerCredentials | None = None,
+    initializer: Callable[[], object] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """start_server for a servicer around a synchronous engine, with its own worker pool."""
+    """start_server for a servicer around a synchronous engine, with its own worker pool (each of
+    whose threads runs `initializer` first: specdec.runtime.compute_thread.serial_torch)."""
     if max_workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-    executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+    executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix,
+                                  initializer=initializer)
     servicer = make_servicer(executor)
     try:
         return await start_server(

@@ -20,7 +20,9 @@ the pass's, so one `logits_to_keep` serves all. The verification rules run per s
 those rows afterwards, so batching changes no output beyond floating-point rounding
 (docs/algorithms.md §13).
 
-Threads: an engine that shares its cores with the drafter (`up`: the verifier may use the
+Threads: every pass runs on one thread, the engine's ComputeThread, whichever call leads it: a
+process whose torch work moves between threads runs it far slower (specdec.runtime.compute_thread).
+An engine that shares its cores with the drafter (`up`: the verifier may use the
 drafter's core while the drafter has nothing to do) runs a pass with all its threads only when
 every call in it said the drafter is idle (`wide`), else with `ThreadWidths.beside_drafter`. The
 thread count changes no row: int8 rows are computed per row (docs/algorithms.md §14).
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.runtime.batch_config import BatchConfig
+from specdec.runtime.compute_thread import ComputeThread
 from specdec.runtime.kv import ExtendPlan, TreeKVCache, additive_mask, model_device_dtype
 
 
@@ -78,8 +81,11 @@ class ForwardBatcher:
     """Runs the passes of many TreeKVCaches over one model, batching concurrent ones."""
 
     def __init__(self, model, config: BatchConfig | None = None, clock=time.monotonic,
-                 threads: ThreadWidths | None = None) -> None:
+                 threads: ThreadWidths | None = None, compute: ComputeThread | None = None) -> None:
+        """`compute`: the thread every pass runs on, whichever call leads it (the one that loaded the
+        model, so the process keeps one OpenMP team: specdec.runtime.compute_thread); None: its own."""
         self.model = model
+        self.compute = compute or ComputeThread()
         self.config = config or BatchConfig()
         self.clock = clock
         self.threads = threads  # None: the process's thread count, never changed here
@@ -144,7 +150,7 @@ class ForwardBatcher:
                 batch = self._take()
                 self._cond.release()
                 try:
-                    self._execute(batch)
+                    self.compute.call(self._execute, batch)
                 finally:
                     self._cond.acquire()
                     self._running = False

@@ -25,6 +25,7 @@ import torch
 
 from specdec.defaults import PRECISIONS, resolve_precision, specdec_home
 from specdec.engine.api import ModelInfo
+from specdec.runtime.compute_thread import ComputeThread
 from specdec.runtime.int8 import quantize_linears, use_invariant_attention
 from specdec.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
@@ -55,6 +56,9 @@ class LoadedModel:
     tokenizer: Any
     info: ModelInfo
     directory: Path  # the HF directory actually loaded (the converted one for GGUF)
+    # The thread that loaded the model and runs its passes (specdec.runtime.compute_thread: one
+    # OpenMP team per process); None: each ForwardBatcher over it starts its own.
+    compute: ComputeThread | None = None
 
     @property
     def device(self) -> torch.device:

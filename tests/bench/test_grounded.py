@@ -155,15 +155,16 @@ def test_agent_families_are_one_unit_and_other_prompts_one_each() -> None:
     assert [bg.row_of(item) for item in units[-1]] == ["agent, turn 1"] + ["agent, turns ≥ 2"] * 3
     assert bg.row_of(units[0][0]) == "grounded"
     args = SimpleNamespace(rounds=2, temperatures=[0.0, 1.0], configs=list(bg.CONFIGS))
-    assert bg.generations(args, items) == 2 * 2 * 8 * 22
+    assert bg.generations(args, items) == 2 * 2 * 9 * 22
 
 
 def test_phases_keep_the_two_servers_apart() -> None:
     assert bg.phases(list(bg.CONFIGS)) == [
         ("A", ["hf", "hf-lookup", "hf-assisted", "specdec", "lookup", "suffix", "model"]),
-        ("B", ["drafter-none"]),
+        ("B", ["drafter-none", "target-only"]),
     ]
     assert bg.phases(["hf", "drafter-none"]) == [("", ["hf"]), ("B", ["drafter-none"])]
+    assert bg.phases(["target-only", "hf"]) == [("", ["hf"]), ("B", ["target-only"])]
     assert bg.phases(["suffix"]) == [("A", ["suffix"])]
     assert bg.up_args("B", bg.parser().parse_args([]))[:2] == ["--drafter", "none"]
     assert "--draft" not in bg.up_args("B", bg.parser().parse_args([]))  # a usage error with none

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import torch
-from scipy.stats import chisquare
 
 from orchestrator.config import OrchestratorConfig
 from orchestrator.run import Run, new_run
@@ -21,6 +20,7 @@ from specdec.generation import GenerationRequest
 from specdec.races import race, race_winner
 from specdec.runtime.loading import LoadedModel, load_model
 from specdec.sampling import SamplingParams, warp_logits
+from specdec.verification import fidelity
 
 # ------------------------------------------------------------------------------------------------
 # a run without services (unit tests of the loop's parts)
@@ -223,23 +223,6 @@ def p_values(samples: list[tuple], exact: dict[tuple, float]) -> tuple[float, fl
 
 
 def chi_square_p(samples: list[tuple], exact: dict[tuple, float]) -> float:
-    """Chi-square p-value; cells expected to hold fewer than 5 samples are pooled into one."""
-    n = len(samples)
-    counts: dict[tuple, int] = {}
-    for s in samples:
-        counts[s] = counts.get(s, 0) + 1
-    assert set(counts) <= set(exact), "a sample outside the support"
-    observed, expected, rest_obs, rest_exp = [], [], 0, 0.0
-    for key, p in exact.items():
-        if n * p >= 5:
-            observed.append(counts.get(key, 0))
-            expected.append(n * p)
-        else:
-            rest_obs += counts.get(key, 0)
-            rest_exp += n * p
-    if rest_exp > 0:
-        observed.append(rest_obs)
-        expected.append(rest_exp)
-    total = sum(expected)
-    expected = [e * n / total for e in expected]  # float rounding of the enumeration
-    return float(chisquare(observed, expected).pvalue)
+    """fidelity.chi_square_p (specdec.verification), after checking every sample is in the support."""
+    assert set(samples) <= set(exact), "a sample outside the support"
+    return fidelity.chi_square_p(samples, exact)

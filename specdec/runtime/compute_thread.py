@@ -1,0 +1,64 @@
+"""One thread runs an engine's heavy torch work (loading and forward passes); the others run it serially.
+
+Why: torch's CPU parallelism here is OpenMP (GNU libgomp), and every thread that starts a parallel
+region gets a team of helper threads of its own. Once the helpers of all teams outnumber the
+cores, libgomp stops spinning between parallel regions and puts helpers to sleep, so every region
+of every team pays a wake-up. Measured on this project's 2-vCPU machine (int8 target, 2 threads):
+after a second thread had run torch work, a per-row int8 quantisation took 0.6 ms instead of
+0.06 ms, a one-row int8 GEMM 0.8 ms instead of 0.6 ms, and HF `generate` from a worker thread ran
+at one core's speed (1.0 CPU-seconds a second, 200-260 ms a token instead of 120-150). An engine
+whose loading ran on the main thread and whose passes ran on whichever worker led the batch had
+two or three teams: `up --drafter none` decoded target-only at 0.55-0.60x plain HF `generate` on
+the same model, and at 0.85-0.89x with this (bench/RESULTS.md, "One thread runs the model").
+
+So an engine process keeps exactly one team: its model is loaded and every pass runs on one
+ComputeThread, and the other threads that touch torch (the engines' worker pools: verification
+rules, sampling, KV bookkeeping) are set to one torch thread (`serial_torch`), which starts no
+team. Results do not depend on the thread a pass runs on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def serial_torch() -> None:
+    """Initializer of a pool whose threads touch torch but must not start an OpenMP team."""
+    torch.set_num_threads(1)
+
+
+class ComputeThread:
+    """A single thread with `threads` torch threads; `call` runs a function on it and waits."""
+
+    def __init__(self, threads: int | None = None, name: str = "torch-compute") -> None:
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads  # None: the process's torch thread count when the thread starts
+        self._ident: int | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                                            initializer=self._start)
+
+    def _start(self) -> None:
+        self._ident = threading.get_ident()
+        torch.set_num_threads(self.threads or torch.get_num_threads())
+
+    @property
+    def on_it(self) -> bool:
+        """Whether the calling thread is this compute thread."""
+        return threading.get_ident() == self._ident
+
+    def call(self, function: Callable[..., T], *args, **kwargs) -> T:
+        """`function(*args, **kwargs)` on the compute thread (inline when already on it)."""
+        if self.on_it:
+            return function(*args, **kwargs)
+        return self._executor.submit(function, *args, **kwargs).result()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False)
