@@ -302,6 +302,17 @@ class NonReader:
             self.sock.close()
 
 
+async def until_no_slot_is_held(metrics: str | None, since: float, *, min_s: float, max_s: float) -> float:
+    """Seconds from `since` until the orchestrator's admitted requests read 0 (at least `min_s`, at
+    most `max_s`: a regression that keeps slots held runs the victim beside them and fails its goal)."""
+    await asyncio.sleep(max(0.0, since + min_s - time.monotonic()))
+    while time.monotonic() - since < max_s:
+        if (await asyncio.to_thread(scrape, metrics)).get("specdec_admitted_requests") == 0:
+            break
+        await asyncio.sleep(0.2)
+    return time.monotonic() - since
+
+
 async def slow_reader(workdir: Path, models: br.Models, size: Size, progress: br.Say) -> dict[str, Any]:
     idle_flag = has_flag("--stream-idle-timeout", "serve", "orchestrator")
     cap_flag = has_flag("--max-requests-per-caller", "serve", "orchestrator")
@@ -349,7 +360,10 @@ async def slow_reader(workdir: Path, models: br.Models, size: Size, progress: br
         calls = [generation_pb2_grpc.GenerationServiceStub(ch).GenerateStream(
             seeded(rid, 500 + i, size.nonreader_tokens, method="token"), timeout=600.0)
             for i, (ch, rid) in enumerate(zip(channels, grpc_ids, strict=True))]
-        await asyncio.sleep(2.0)  # their buffers fill: from here on they hold whatever they hold
+        # Their buffers fill, then their runs pause and hand their slots back: the victim is measured
+        # from there on (while they still generate, it shares the engines with them, which is fair use).
+        settled_s = await until_no_slot_is_held(orch_metrics, opened, min_s=2.0, max_s=30.0)
+        progress(f"  non-readers hold no slot after {settled_s:.1f} s")
         slots_sampled: list[float] = []
 
         async def sample_slots(stop: asyncio.Event) -> None:
@@ -412,6 +426,7 @@ async def slow_reader(workdir: Path, models: br.Models, size: Size, progress: br
         "nonreaders": {"http_connections": size.http_nonreaders, "streams_each": size.http_n,
                        "grpc_streams": size.grpc_nonreaders, "max_tokens": size.nonreader_tokens,
                        "http_statuses": [s.status for s in sockets]},
+        "nonreaders_settled_s": round(settled_s, 2),
         "victim_alone_s": summary(alone_s), "victim_beside_s": summary(beside_s),
         "victim_beside_statuses": dict(collections.Counter(status for status, _ in beside)),
         "victim_median_delay_s": None if delay is None else round(delay, 4),
@@ -1141,6 +1156,7 @@ def render(name: str, results: dict[str, Any]) -> str:
                                 f"{n['grpc_streams']} gRPC streams of {n['max_tokens']} tokens"),
                 ("well-behaved client alone (median / max s)", _mm(r["victim_alone_s"])),
                 ("… beside the non-readers (median / max s)", _mm(r["victim_beside_s"])),
+                ("… sent when the non-readers held no slot (s)", str(r.get("nonreaders_settled_s", "—"))),
                 ("… its statuses beside them", _counts(r["victim_beside_statuses"])),
                 ("request slots held while they were open (median / max)", _mm(r["slots_held_while_open"])),
                 ("slots held after the idle timeout", str(r["slots_held_after_idle_timeout"])),

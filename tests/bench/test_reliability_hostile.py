@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 
 # What each scenario's result must hold besides its goals (the report and the docs read them).
 KEYS = {
-    "slow-reader": {"victim_alone_s", "victim_beside_s", "victim_median_delay_s", "slots_held_while_open",
-                    "http_outcomes", "grpc_outcomes", "resumed", "flags"},
+    "slow-reader": {"nonreaders_settled_s", "victim_alone_s", "victim_beside_s", "victim_median_delay_s",
+                    "slots_held_while_open", "http_outcomes", "grpc_outcomes", "resumed", "flags"},
     "abort-storm": {"before", "at_once", "after", "seconds_until_back_to_zero_after_raw_aborts",
                     "seconds_until_back_to_zero_after_closes", "sessions_not_released", "openai_stream_close",
                     "request_after_storm"},
