@@ -422,10 +422,47 @@ class DrafterCallTimes:
         return self.pass_seconds(unknown_pass_s) * (max(1, passes) + max(0, catch_up) / CATCH_UP_PER_PASS)
 
 
+# ------------------------------------------------------------------------------------------------
+# whether a request should take the draft model back after model-free turns (drafting.hybrid)
+
+MODEL_SHARE_PRIOR = 16.0  # pseudo-tokens of the orchestrator's share in a request's share
+
+
+def model_share(model_side_tokens: float, tokens: float, shared: float = math.nan,
+                prior: float = MODEL_SHARE_PRIOR) -> float:
+    """The share of a request's coming tokens expected where no model-free draft is chosen: its own
+    share so far, with `prior` tokens' weight on the orchestrator's recent share (`shared`; 1 while
+    unmeasured). A fresh request's prompt shows nothing yet: on a server of code edits, most of its
+    tokens will come from model-free drafts; on one of chats, few."""
+    start = shared if math.isfinite(shared) else 1.0
+    return (model_side_tokens + prior * start) / (tokens + prior)
+
+
+def drafter_catch_up_pays(*, remaining_tokens: int, share: float, step_seconds: float, model_rate: float,
+                          catch_up_seconds: float) -> bool:
+    """Whether the draft model should take in the tokens it has not seen (a request's prompt, the
+    tokens of model-free turns) to draft again: the time its drafts are expected to save over the
+    rest of the request (tokens on its side × (a target-only step's time − its time per token))
+    exceeds the catch-up's time. A catch-up holds the iteration (the look-ahead waits for it) and,
+    beside a prefill, slows the target's own pass: measured, a 335-token prompt's catch-up took about
+    3.4 s and doubled the target's prefill (bench/RESULTS.md, "The draft model's catch-up"). With
+    anything unmeasured (nan) the model drafts: that is how it gets measured."""
+    if not all(math.isfinite(v) for v in (step_seconds, model_rate, catch_up_seconds)) or model_rate <= 0:
+        return True
+    saving_per_token = step_seconds - 1.0 / model_rate
+    return remaining_tokens * share * saving_per_token > catch_up_seconds
+
+
 CALIBRATION_PRIOR = 4.0  # pseudo-tokens pulling a source's accepted ÷ predicted towards 1
 # Predicted tokens' worth of the orchestrator-wide c_s in one request's own estimate: after a few
 # drafts the request's own record decides (prose beside grounded work must not borrow its c_s).
 REQUEST_PRIOR = 4.0
+
+
+# Each refused proposal multiplies a request's own record by this: a request that stopped drafting
+# after early misses drifts back towards the shared c_s and tries again (one draft, then it knows),
+# instead of staying target-only for good (measured: a rename that drafted 0 of its last 21 steps).
+REQUEST_FORGET = 0.8
 
 
 def request_calibration(shared: float, predicted: float, accepted: float,
@@ -453,6 +490,7 @@ class SourceEstimates:
     _predicted: dict[str, _Mean] = field(default_factory=dict)
     _accepted: dict[str, _Mean] = field(default_factory=dict)
     _wall: dict[int, _Mean] = field(default_factory=dict)
+    _model_side: _Mean = field(default_factory=_Mean)  # per token: made without a model-free draft
 
     def observe(self, source: str | None, *, predicted: float, accepted: int, positions: int,
                 wall_seconds: float, steady: bool = True) -> None:
@@ -466,6 +504,16 @@ class SourceEstimates:
             self._accepted.setdefault(source, _Mean()).add(float(accepted))
         if steady and wall_seconds > 0:
             self._wall.setdefault(positions, _Mean()).add(wall_seconds)
+
+    def observe_tokens(self, *, model_side: int, tokens: int) -> None:
+        """One iteration's emitted tokens, `model_side` of them without a model-free draft."""
+        if tokens > 0:
+            self._model_side.fade(0.5 ** (1.0 / self.half_life))
+            self._model_side.add(model_side / tokens, weight=tokens)
+
+    def model_side_share(self) -> float:
+        """The recent share of tokens made without a model-free draft (nan before any)."""
+        return self._model_side.value
 
     def calibration(self, source: str) -> float:
         """c_s: accepted ÷ predicted tokens of the source's drafts, towards 1 while little is known."""

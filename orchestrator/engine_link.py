@@ -274,9 +274,11 @@ class EngineLink:
     def target_vocab_size(self) -> int | None:
         return self.target_info.vocab_size if self.target_info is not None else None
 
+    def drafter_expected(self, passes: int, catch_up: int) -> float:
+        return self._call_times.expected(passes, catch_up, self.config.drafter_timeout_floor_s)
+
     def drafter_deadline(self, passes: int, catch_up: int) -> float:
-        expected = self._call_times.expected(passes, catch_up, self.config.drafter_timeout_floor_s)
-        return drafter_deadline(expected, self.config)
+        return drafter_deadline(self.drafter_expected(passes, catch_up), self.config)
 
     def drafter_took(self, passes: int, catch_up: int, seconds: float, cut_off: bool = False) -> None:
         self._call_times.observe(passes, catch_up, seconds, cut_off=cut_off)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,10 @@ class EngineWatch(Protocol):
 
     def drafter_deadline(self, passes: int, catch_up: int) -> float:
         """Seconds a drafter call of `passes` forward passes after `catch_up` new tokens may take."""
+        ...
+
+    def drafter_expected(self, passes: int, catch_up: int) -> float:
+        """Seconds a drafter call of `passes` forward passes after `catch_up` new tokens should take."""
         ...
 
     def drafter_took(self, passes: int, catch_up: int, seconds: float, cut_off: bool = False) -> None: ...
@@ -188,6 +193,14 @@ class RunSessions:
         if drafting and self.drafter is not None:
             lag = max(lag, self.drafter_mirror.behind(committed))
         return lag
+
+    def drafter_catch_up_seconds(self, committed: Sequence[int]) -> float:
+        """What the drafter's next call spends taking in the committed tokens it has not seen, beyond
+        its passes (nan: no drafter, or nothing measures its calls)."""
+        if self.drafter is None or self.watch is None:
+            return math.nan
+        behind = self.drafter_mirror.behind(committed)
+        return self.watch.drafter_expected(1, behind) - self.watch.drafter_expected(1, 0)
 
     # drafter -----------------------------------------------------------------------------------
     async def draft(self, context: list[int], *, shape: Sequence[int], timeline: Timeline) -> DraftResult:

@@ -11,13 +11,26 @@ iterations only, before the target's pass reads the draft, so it keeps the outpu
 draft length does (docs/algorithms.md §8, §15). A seeded request asks for replay, so its choice
 reads no timings and no other request: the request's own n-grams (lookup) when they promise at
 least SEEDED_MIN_EXPECTED tokens, else the model.
+
+Taking the model back costs something: after model-free turns (or at a request's start) the drafter
+must first take in every committed token it has not seen. A timed request lets the model draft
+again only when its expected saving over the rest of the request pays for that catch-up
+(adaptation.drafter_catch_up_pays); otherwise it takes a target-only step without the drafter.
 """
 
 from __future__ import annotations
 
 import math
 
-from orchestrator.adaptation import PRIOR_SLOPE, STEADY_CATCH_UP, SourceEstimates, request_calibration
+from orchestrator.adaptation import (
+    PRIOR_SLOPE,
+    REQUEST_FORGET,
+    STEADY_CATCH_UP,
+    SourceEstimates,
+    drafter_catch_up_pays,
+    model_share,
+    request_calibration,
+)
 from orchestrator.drafting.base import Draft, Drafting, DraftingStrategy, Plan, Step, verify_draft
 from orchestrator.drafting.model_free import ModelFreeDrafts
 from specdec.engine.api import VerifyOutcome
@@ -40,24 +53,43 @@ class HybridDrafts(Drafting):
         self.own_predicted: dict[str, float] = {}  # this request's model-free drafts, by source
         self.own_accepted: dict[str, float] = {}
         self._free_turn = False  # this iteration's plan came from the model-free source
+        self._model_turn = False  # this iteration's plan came from the model strategy
+        self._tokens = 0  # tokens this request emitted so far, and those of iterations without a
+        self._model_side_tokens = 0  # model-free draft (model_share)
         self._predicted = 0.0  # the proposal's own expected accepted tokens
         self._steady = True
 
     def plan(self, step: Step) -> Plan | None:
         proposal = self.free.propose(step)
-        chosen = self.choose(proposal) if proposal is not None else None
+        model_may = self.model is not None and self.model_pays(step)
+        chosen = self.choose(proposal, beside_model=model_may) if proposal is not None else None
+        if proposal is not None and chosen is None:
+            self.forget(proposal.source)
         self._free_turn = chosen is not None
         self._steady = step.sessions.lag(step.committed, drafting=False) <= STEADY_CATCH_UP
         if chosen is not None:
             self._predicted = chosen.expected_accepted()
             return self.free.plan_for(step, chosen)
         self.free.plan_for(step, None)
-        return self.model.plan(step) if self.model is not None else None
+        self._model_turn = model_may
+        return self.model.plan(step) if self._model_turn else None
 
-    def choose(self, proposal: Proposal) -> Proposal | None:
-        """The proposal's best cut when it promises more tokens per second than the alternatives,
-        else None. The cut keeps the m likeliest nodes (by path probability, so parents stay), with
-        m maximising (1 + c_s·Σ path probabilities) / W(m + 1)."""
+    def model_pays(self, step: Step) -> bool:
+        """Whether the draft model may plan this iteration: always when it has (almost) every committed
+        token already, else only when its catch-up pays (module docstring)."""
+        if not self.timed or step.sessions.lag(step.committed, drafting=True) <= STEADY_CATCH_UP:
+            return True
+        return drafter_catch_up_pays(
+            remaining_tokens=step.settings.max_new_tokens - len(step.run.state.generated),
+            share=model_share(self._model_side_tokens, self._tokens, self.estimates.model_side_share()),
+            step_seconds=self.estimates.iteration_seconds(1), model_rate=self.model_rate(),
+            catch_up_seconds=step.sessions.drafter_catch_up_seconds(step.committed))
+
+    def choose(self, proposal: Proposal, *, beside_model: bool = True) -> Proposal | None:
+        """The proposal's best cut when it promises more tokens per second than the alternatives (a
+        target-only step, and the model's best choice when `beside_model`), else None. The cut keeps
+        the m likeliest nodes (by path probability, so parents stay), with m maximising
+        (1 + c_s·Σ path probabilities) / W(m + 1)."""
         if not self.timed:
             return proposal if proposal.expected_accepted() >= SEEDED_MIN_EXPECTED else None
         est = self.estimates
@@ -73,7 +105,7 @@ class HybridDrafts(Drafting):
             if rate > best_rate:
                 best_m, best_rate = m, rate
         other = 1.0 / step_seconds if measured else 1.0
-        model_rate = self.model_rate()
+        model_rate = self.model_rate() if beside_model else math.nan
         if measured and math.isfinite(model_rate):
             other = max(other, model_rate)
         if best_rate <= other:
@@ -84,6 +116,13 @@ class HybridDrafts(Drafting):
         """c_s for this request: its own record shrunk towards the orchestrator's for its kind."""
         return request_calibration(self.estimates.calibration(self._key(source)),
                                    self.own_predicted.get(source, 0.0), self.own_accepted.get(source, 0.0))
+
+    def forget(self, source: str) -> None:
+        """Fade this request's own record of `source` (REQUEST_FORGET): a refused proposal teaches
+        nothing, so old misses must not refuse every later one."""
+        if source in self.own_predicted:
+            self.own_predicted[source] *= REQUEST_FORGET
+            self.own_accepted[source] *= REQUEST_FORGET
 
     def _key(self, source: str) -> str:
         return f"{source}:{self.kind}"
@@ -99,13 +138,19 @@ class HybridDrafts(Drafting):
         return await self.model.draft(step, plan)
 
     async def verify(self, step: Step, draft: Draft) -> VerifyOutcome:
-        if self._free_turn or self.model is None:
+        if not self._model_turn:
             return await verify_draft(step, draft)
+        assert self.model is not None
         return await self.model.verify(step, draft)
 
     def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None:
         record = step.record
-        alone = self._free_turn or self.model is None or (draft.target_only and not _beside_look_ahead(draft))
+        emitted = len(record.emitted)
+        self._tokens += emitted
+        self._model_side_tokens += 0 if self._free_turn else emitted
+        if self.timed:
+            self.estimates.observe_tokens(model_side=0 if self._free_turn else emitted, tokens=emitted)
+        alone = not self._model_turn or (draft.target_only and not _beside_look_ahead(draft))
         if alone and not draft.fallback:  # an iteration without the draft model: what W(n) measures
             source = draft.source if self._free_turn else None
             self.estimates.observe(self._key(source) if source else None, predicted=self._predicted,
@@ -114,7 +159,8 @@ class HybridDrafts(Drafting):
             if source:
                 self.own_predicted[source] = self.own_predicted.get(source, 0.0) + self._predicted
                 self.own_accepted[source] = self.own_accepted.get(source, 0.0) + record.accepted
-        if not self._free_turn and self.model is not None:
+        if self._model_turn:
+            assert self.model is not None
             self.model.settle(step, draft, outcome)
 
     def close(self, committed: list[int]) -> None:

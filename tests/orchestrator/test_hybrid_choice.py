@@ -1,10 +1,23 @@
 """The hybrid source's choice (orchestrator.drafting.hybrid): a request's own record of model-free
 drafts decides after a few drafts, and greedy and sampled requests keep separate shared records, so
-open-ended work beside input-grounded work does not borrow the grounded work's acceptance."""
+open-ended work beside input-grounded work does not borrow the grounded work's acceptance; the draft
+model is taken back after model-free turns only when its catch-up pays."""
 
 from __future__ import annotations
 
-from orchestrator.adaptation import REQUEST_PRIOR, SourceEstimates, request_calibration
+import math
+from types import SimpleNamespace
+
+from orchestrator.adaptation import (
+    MODEL_SHARE_PRIOR,
+    REQUEST_FORGET,
+    REQUEST_PRIOR,
+    SourceEstimates,
+    drafter_catch_up_pays,
+    model_share,
+    request_calibration,
+)
+from orchestrator.drafting.base import Drafting
 from orchestrator.drafting.hybrid import HybridDrafts
 from specdec.model_free import Proposal
 
@@ -47,8 +60,119 @@ def test_a_good_shared_record_drafts_until_the_request_own_record_says_otherwise
     assert _hybrid(hybrid.estimates).choose(CHAIN) is not None
 
 
+class _Proposes:
+    """A model-free source that proposes CHAIN at every prefix."""
+
+    def propose(self, step):
+        return CHAIN
+
+    def plan_for(self, step, proposal):
+        return "free plan" if proposal is not None else None
+
+
+def test_a_request_that_stopped_drafting_tries_again_after_refused_proposals() -> None:
+    hybrid = HybridDrafts(_Proposes(), None, _estimates(greedy_accepts=True, sampled_accepts=True),  # type: ignore[arg-type]
+                          timed=True)
+    hybrid.own_predicted["suffix"], hybrid.own_accepted["suffix"] = 24.0, 0.0
+    step = _step(lag=0, catch_up_seconds=0.0)
+    plans = [hybrid.plan(step) for _ in range(30)]
+    assert plans[0] is None, "early misses refuse the next proposal"
+    tried = plans.index("free plan")  # then, with each refusal forgotten a little, it drafts again
+    assert 1 < tried < 20, plans
+    assert hybrid.own_predicted["suffix"] == 24.0 * REQUEST_FORGET ** tried
+
+
 def test_greedy_and_sampled_requests_read_their_own_shared_records() -> None:
     estimates = _estimates(greedy_accepts=True, sampled_accepts=False)
     assert _hybrid(estimates).choose(CHAIN) is not None
     assert _hybrid(estimates, sampled=True).choose(CHAIN) is None
     assert _hybrid(estimates, sampled=True).calibration("suffix") < 0.2
+
+
+# ------------------------------------------------------------------------------------------------
+# taking the draft model back after model-free turns: its catch-up must pay
+
+
+def test_catch_up_pays_only_when_the_expected_saving_exceeds_it() -> None:
+    # a step 0.14 s, the model 8.7 tokens/s: about 0.025 s saved a token on the model's side
+    common = {"step_seconds": 0.14, "model_rate": 8.7}
+    assert drafter_catch_up_pays(remaining_tokens=128, share=1.0, catch_up_seconds=0.6, **common)
+    assert not drafter_catch_up_pays(remaining_tokens=128, share=1.0, catch_up_seconds=4.2, **common)
+    assert not drafter_catch_up_pays(remaining_tokens=90, share=0.25, catch_up_seconds=1.0, **common)
+    # a model slower than a target-only step never pays for a catch-up
+    assert not drafter_catch_up_pays(remaining_tokens=10_000, share=1.0, catch_up_seconds=0.01,
+                                     step_seconds=0.14, model_rate=5.0)
+    # unmeasured: the model drafts (that is how it gets measured)
+    assert drafter_catch_up_pays(remaining_tokens=1, share=0.0, catch_up_seconds=99.0, step_seconds=math.nan,
+                                 model_rate=8.7)
+    assert drafter_catch_up_pays(remaining_tokens=1, share=0.0, catch_up_seconds=math.nan, **common)
+
+
+def test_model_share_starts_at_one_and_follows_the_request() -> None:
+    assert model_share(0, 0) == 1.0
+    assert model_share(4, 40) == (4 + MODEL_SHARE_PRIOR) / (40 + MODEL_SHARE_PRIOR)
+    assert model_share(0, 10_000) < 0.01
+    # a fresh request starts from the orchestrator's recent share
+    assert model_share(0, 0, shared=0.1) == 0.1
+    estimates = SourceEstimates()
+    for _ in range(10):
+        estimates.observe_tokens(model_side=1, tokens=10)  # a model-free draft made 9 of 10 tokens
+    assert abs(estimates.model_side_share() - 0.1) < 1e-12
+    assert math.isnan(SourceEstimates().model_side_share())
+
+
+class _Sessions:
+    def __init__(self, lag: int, catch_up_seconds: float) -> None:
+        self._lag, self._catch_up = lag, catch_up_seconds
+
+    def lag(self, committed, *, drafting: bool) -> int:
+        return self._lag
+
+    def drafter_catch_up_seconds(self, committed) -> float:
+        return self._catch_up
+
+
+class _Model(Drafting):
+    """The model strategy: 8.7 tokens/s at its best; its plan is a marker."""
+
+    def plan(self, step):
+        return "model plan"
+
+    def expected_rate(self) -> float:
+        return 8.7
+
+
+class _NoMatch:
+    def propose(self, step):
+        return None
+
+    def plan_for(self, step, proposal):
+        return None
+
+
+def _step(lag: int, catch_up_seconds: float, generated: int = 0, max_new_tokens: int = 128):
+    run = SimpleNamespace(state=SimpleNamespace(generated=[0] * generated))
+    return SimpleNamespace(sessions=_Sessions(lag, catch_up_seconds), committed=[1] * 300, run=run,
+                           settings=SimpleNamespace(max_new_tokens=max_new_tokens))
+
+
+def _step_estimates() -> SourceEstimates:
+    estimates = SourceEstimates()
+    for _ in range(5):
+        estimates.observe(None, predicted=0.0, accepted=0, positions=1, wall_seconds=0.14)
+    return estimates
+
+
+def test_the_hybrid_takes_the_model_back_only_when_its_catch_up_pays() -> None:
+    def hybrid(timed: bool = True) -> HybridDrafts:
+        return HybridDrafts(_NoMatch(), _Model(), _step_estimates(), timed=timed)  # type: ignore[arg-type]
+
+    assert hybrid().plan(_step(lag=8, catch_up_seconds=0.1)) == "model plan"  # steady: no catch-up
+    assert hybrid().plan(_step(lag=40, catch_up_seconds=0.5)) == "model plan"  # 128 × 0.025 s > 0.5 s
+    assert hybrid().plan(_step(lag=335, catch_up_seconds=4.2)) is None  # a long prompt: target-only
+    assert hybrid().plan(_step(lag=40, catch_up_seconds=0.5, generated=120)) is None  # too late to pay
+    grounded_server = hybrid()
+    for _ in range(10):
+        grounded_server.estimates.observe_tokens(model_side=1, tokens=10)
+    assert grounded_server.plan(_step(lag=40, catch_up_seconds=0.5)) is None  # 128 × 0.1 × 0.025 s < 0.5 s
+    assert hybrid(timed=False).plan(_step(lag=335, catch_up_seconds=4.2)) == "model plan"  # replay: untimed
