@@ -1,14 +1,18 @@
 """In-process transport: the client protocols served by engines living in this process.
 
-Every engine call runs in a worker thread (`asyncio.to_thread`), so the drafter's and the
+Every engine call runs in a worker thread of the client's own pool, so the drafter's and the
 verifier's forward passes overlap exactly as they would on two machines (torch releases the
 GIL in its kernels). The engines are thread-safe (a lock per session and per model), so
-nothing is serialised here.
+nothing is serialised here. The workers run torch with one thread, as a served engine's gRPC
+workers do: each engine's passes run on its model's ComputeThread, and a worker with more torch
+threads would start an OpenMP team of its own (specdec.runtime.compute_thread).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from specdec.engine.api import (
@@ -22,15 +26,21 @@ from specdec.engine.api import (
     VerifyRequest,
 )
 from specdec.generation import ChatMessage
+from specdec.runtime.compute_thread import serial_torch
+
+WORKERS = 8  # concurrent calls into one engine (the in-process CLI runs one request; tests a few)
 
 
 class _InProcessClient:
     def __init__(self, engine: Any, address: str) -> None:
         self.engine = engine
         self.address = address
+        self._workers = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix=address,
+                                           initializer=serial_torch)
 
     async def _call(self, method: str, *args: Any) -> Any:
-        return await asyncio.to_thread(getattr(self.engine, method), *args)
+        call = functools.partial(getattr(self.engine, method), *args)
+        return await asyncio.get_running_loop().run_in_executor(self._workers, call)
 
     async def info(self) -> ModelInfo:
         return await self._call("info")
@@ -39,7 +49,7 @@ class _InProcessClient:
         await self._call("release", session_id)
 
     async def close(self) -> None:
-        return None
+        self._workers.shutdown(wait=False)
 
 
 class InProcessDrafterClient(_InProcessClient):

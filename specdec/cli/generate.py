@@ -330,6 +330,7 @@ async def _inprocess_orchestrator(run: GenerateRun, observer: Any = None):
     from orchestrator.speculation import Orchestrator
     from specdec.engine.drafter import DrafterEngine
     from specdec.engine.verifier import VerifierEngine
+    from specdec.runtime.compute_thread import ComputeThread
     from specdec.runtime.loading import load_model
 
     draft_path = resolve_model(run.draft, "draft")
@@ -337,10 +338,17 @@ async def _inprocess_orchestrator(run: GenerateRun, observer: Any = None):
     quiet_transformers()
 
     async def load(role: str, path: Path):
+        # Loaded on the thread that runs the model's passes: one OpenMP team a model
+        # (specdec.runtime.compute_thread).
+        compute = ComputeThread(run.threads, name=f"{role}-compute")
         try:
-            return await asyncio.to_thread(load_model, path, run.device, run.dtype, run.threads)
+            loaded = await asyncio.to_thread(compute.call, load_model, path, run.device, run.dtype,
+                                             run.threads)
         except (OSError, ValueError, RuntimeError, AssertionError) as exc:  # bad folder, dtype, device
+            compute.shutdown()
             raise CliError(f"{role} model {path}: {exc}") from None
+        loaded.compute = compute
+        return loaded
 
     with err.status("loading the models …"):
         draft_model = await load("draft", draft_path)
