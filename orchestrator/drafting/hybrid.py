@@ -66,12 +66,12 @@ class HybridDrafts(Drafting):
         if proposal is not None and chosen is None:
             self.forget(proposal.source)
         self._free_turn = chosen is not None
+        self._model_turn = model_may and chosen is None
         self._steady = step.sessions.lag(step.committed, drafting=False) <= STEADY_CATCH_UP
         if chosen is not None:
             self._predicted = chosen.expected_accepted()
             return self.free.plan_for(step, chosen)
         self.free.plan_for(step, None)
-        self._model_turn = model_may
         return self.model.plan(step) if self._model_turn else None
 
     def model_pays(self, step: Step) -> bool:

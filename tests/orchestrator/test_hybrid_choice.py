@@ -176,3 +176,41 @@ def test_the_hybrid_takes_the_model_back_only_when_its_catch_up_pays() -> None:
         grounded_server.estimates.observe_tokens(model_side=1, tokens=10)
     assert grounded_server.plan(_step(lag=40, catch_up_seconds=0.5)) is None  # 128 × 0.1 × 0.025 s < 0.5 s
     assert hybrid(timed=False).plan(_step(lag=335, catch_up_seconds=4.2)) == "model plan"  # replay: untimed
+
+
+class _ProposesEveryOther:
+    """A model-free source with a proposal at every second prefix only."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, step):
+        self.calls += 1
+        return CHAIN if self.calls % 2 == 0 else None
+
+    def plan_for(self, step, proposal):
+        return "free plan" if proposal is not None else None
+
+
+class _SettleCounter(_Model):
+    def __init__(self) -> None:
+        self.settled = 0
+
+    def settle(self, step, draft, outcome) -> None:
+        self.settled += 1
+
+
+def test_a_free_turn_after_a_model_turn_is_settled_as_free() -> None:
+    model = _SettleCounter()
+    hybrid = HybridDrafts(_ProposesEveryOther(), model, _estimates(greedy_accepts=True, sampled_accepts=True),  # type: ignore[arg-type]
+                          timed=True)
+    step = _step(lag=0, catch_up_seconds=0.0)
+    step.record = SimpleNamespace(emitted=[1, 2], accepted=1, num_drafted=1, start=0.0, end=0.1)
+    draft = SimpleNamespace(target_only=False, fallback=False, source="suffix", plan=None)
+    assert hybrid.plan(step) == "model plan"
+    hybrid.settle(step, draft, None)  # type: ignore[arg-type]
+    assert model.settled == 1
+    assert hybrid.plan(step) == "free plan"
+    hybrid.settle(step, draft, None)  # type: ignore[arg-type]
+    assert model.settled == 1, "the model strategy must not learn from a model-free draft"
+    assert hybrid.own_accepted["suffix"] == 1
