@@ -34,8 +34,12 @@ def race(seed: int, position: int, vocab: int) -> torch.Tensor:
 
 
 def race_scores(e: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
-    """Arrival times e / D, with +inf where D = 0 (such tokens never win)."""
-    dist = dist.to(torch.float64)
+    """Arrival times e / D, with +inf where D = 0 (such tokens never win).
+
+    Computed where the race lives (the CPU, float64) whatever device D's row comes from, so that
+    the drafter and the verifier rank arrivals with the same arithmetic on any device.
+    """
+    dist = dist.to(device=e.device, dtype=torch.float64)
     return torch.where(dist > 0, e / dist.clamp_min(torch.finfo(torch.float64).tiny), torch.inf)
 
 

@@ -162,13 +162,17 @@ async def sample_methods(
                 return tuple((await orchestrator.generate(request)).token_ids)
 
             got: list[tuple] = []
-            for start in range(0, samples, CONCURRENCY):
-                if args.left_s() < 15:
-                    break
-                got += await asyncio.gather(
-                    *(one(s) for s in range(start, min(samples, start + CONCURRENCY)))
-                )
-            out[f"{method}-" + "-".join(f"{k}{v}" for k, v in knobs.items())] = got
+            name = f"{method}-" + "-".join(f"{k}{v}" for k, v in knobs.items())
+            try:
+                for start in range(0, samples, CONCURRENCY):
+                    if args.left_s() < 15:
+                        break
+                    got += await asyncio.gather(
+                        *(one(s) for s in range(start, min(samples, start + CONCURRENCY)))
+                    )
+            except Exception as error:  # noqa: BLE001 - one method's failure must not hide the others'
+                got = [error]
+            out[name] = got
     finally:
         await orchestrator.close()
     return out
@@ -203,6 +207,14 @@ def step(args: StepArgs) -> StepResult:
             got = asyncio.run(sample_methods(*addresses, methods, samples, args))
             for name, values in got.items():
                 if not values:
+                    continue
+                if isinstance(values[0], Exception):
+                    rows.append([dtype, name, 0, "–", "–", "ERROR"])
+                    data[f"{dtype}/{name}"] = {"samples": 0, "error": str(values[0]), "verdict": "ERROR"}
+                    findings.append(f"ERROR {dtype} {name}: {values[0]}")
+                    for service in (drafter, verifier):
+                        log(f"fidelity: {service.name} log (tail):\n"
+                            f"{service.log_path.read_text(errors='replace')[-3000:]}")
                     continue
                 joint, lead = chi_square_p(values, exact), chi_square_p([v[:1] for v in values], first)
                 verdict = "pass" if min(joint, lead) >= P_THRESHOLD else "FAIL"

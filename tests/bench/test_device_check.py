@@ -166,3 +166,17 @@ def test_the_carried_wheels_are_pinned_once_each_and_stay_under_40_mib() -> None
         assert sum(f.stat().st_size for f in files) < WHEELS_LIMIT
         stems = [f.name.split("-")[0].lower().replace("_", "-") for f in files]
         assert len(stems) == len(set(stems)), f"two versions of one package in .whl/: {sorted(stems)}"
+
+
+def test_the_pass_profile_runs_on_a_tiny_shape_and_separates_the_three_paths(tmp_path: Path) -> None:
+    """bench.device.profile_pass (run by hand on a lent GPU, bench/RESULTS.md "GPU check") stays runnable:
+    it times plain HF, the tree cache and the batcher on one shape and writes the operator table."""
+    from bench.device import profile_pass
+
+    assert profile_pass.main(["--out", str(tmp_path), "--models", "tiny-target", "--device", "cpu",
+                              "--context", "16"]) == 0
+    (result,) = json.loads((tmp_path / "profile.json").read_text())
+    for path in ("plain_hf", "tree_cache", "tree_cache_batcher"):
+        assert 0 < result[path] < 5, (path, result[path])
+    assert result["per_pass_counts"]["aten::copy_"] > 0  # the profiler saw the model's operators
+    assert "Self CPU" in (tmp_path / "profile-tiny-target.txt").read_text()
