@@ -18,38 +18,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
-import time
 from pathlib import Path
 
 CONTEXT = 512
 REPEATS = 20
-
-
-def timed(run, after, device: str, repeats: int = REPEATS, warmup: int = 3) -> float:
-    """Median wall seconds of `run` with the device synchronised around it; `after` untimed."""
-    import torch
-
-    def sync() -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    times = []
-    for i in range(warmup + repeats):
-        sync()
-        start = time.perf_counter()
-        run()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-        after()
-    return statistics.median(times)
+WARMUP = 3
 
 
 def profile_shape(name: str, device: str, out: Path, context: int) -> dict:
     import torch
     from transformers import DynamicCache
 
+    from bench.device.common import median_seconds, synchronize
     from bench.device.shapes import build_model
     from specdec.runtime.batch_config import BatchConfig
     from specdec.runtime.batching import ForwardBatcher
@@ -67,20 +47,21 @@ def profile_shape(name: str, device: str, out: Path, context: int) -> dict:
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True)
         ids = torch.tensor([token], device=device)
-        result["plain_hf"] = timed(
+        result["plain_hf"] = median_seconds(
             lambda: model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1),
-            lambda: cache.crop(-1),
-            device,
+            device, REPEATS, warmup=WARMUP, after=lambda: cache.crop(-1),
         )
         alone = TreeKVCache(model)
         alone.prefill(prompt)
-        result["tree_cache"] = timed(
-            lambda: alone.extend(token, sequence_parents(1)), lambda: alone.truncate(context), device
+        result["tree_cache"] = median_seconds(
+            lambda: alone.extend(token, sequence_parents(1)), device, REPEATS, warmup=WARMUP,
+            after=lambda: alone.truncate(context),
         )
         batched = TreeKVCache(model, runner=ForwardBatcher(model, BatchConfig()))
         batched.prefill(prompt)
-        result["tree_cache_batcher"] = timed(
-            lambda: batched.extend(token, sequence_parents(1)), lambda: batched.truncate(context), device
+        result["tree_cache_batcher"] = median_seconds(
+            lambda: batched.extend(token, sequence_parents(1)), device, REPEATS, warmup=WARMUP,
+            after=lambda: batched.truncate(context),
         )
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.startswith("cuda"):
@@ -89,8 +70,7 @@ def profile_shape(name: str, device: str, out: Path, context: int) -> dict:
             for _ in range(5):  # on this thread (the batcher runs passes on its compute thread)
                 alone.extend(token, sequence_parents(1))
                 alone.truncate(context)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
+            synchronize(device)
         averages = prof.key_averages()
         by_cpu = averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
         (out / f"profile-{name}.txt").write_text(by_cpu)

@@ -31,10 +31,10 @@ def verify_ersd(
     accepted: list[int] = []
     flags: list[bool] = []
     while True:
-        # argmin e/D does not change when D is scaled, so the raw row is used as sent (read in
-        # float64 by race_scores, on the CPU like the race) and no normalisation pass is needed.
+        # argmin e/D does not change when D is scaled, so the raw row is used as sent (race_scores
+        # reads it in float64 on the race's device, the CPU) and no normalisation pass is needed.
         e = race(params.seed, params.position + depth, target.vocab)
-        scores = race_scores(e, target.raw[node + 1].to("cpu"))
+        scores = race_scores(e, target.raw[node + 1])
         winner = int(torch.argmin(scores).item())
         if not bool(torch.isfinite(scores[winner])):
             raise VerificationError(f"target row {node + 1} has no positive mass")
