@@ -546,9 +546,15 @@ class Supervisor:
             child.ready_file.unlink(missing_ok=True)
 
     def install_signal_handlers(self) -> None:
-        """SIGINT/SIGTERM → request a stop (main thread only)."""
+        """SIGINT/SIGTERM → request a stop (main thread only).
+
+        The handler runs on the main thread between two bytecodes, possibly while that thread holds
+        stop_requested's lock (inside Event.wait, or inside a first handler's set on a second
+        Ctrl-C): Event.set there would wait for itself forever. So a short thread sets it.
+        """
         def handler(signum, frame):  # noqa: ARG001
-            self.stop_requested.set()
+            if not self.stop_requested.is_set():
+                threading.Thread(target=self.stop_requested.set, name="stop-request", daemon=True).start()
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)

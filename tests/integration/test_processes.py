@@ -198,3 +198,24 @@ def test_port_in_use_sees_a_grpc_listener() -> None:
     finally:
         server.stop(None)
     assert not processes.port_in_use("127.0.0.1", port)
+
+
+def test_a_stop_signal_while_the_main_thread_holds_the_events_lock_does_not_hang(tmp_path) -> None:
+    """A second Ctrl-C (or a signal inside Event.wait) arrives while the main thread holds
+    stop_requested's lock; the handler must return and the stop still be requested."""
+    import signal
+    import threading
+
+    supervisor = Supervisor(tmp_path)
+    previous = signal.getsignal(signal.SIGTERM)
+    supervisor.install_signal_handlers()
+    try:
+        handler = signal.getsignal(signal.SIGTERM)
+        with supervisor.stop_requested._cond:  # what Event.wait / Event.set hold
+            done = threading.Event()
+            caller = threading.Thread(target=lambda: (handler(signal.SIGTERM, None), done.set()))
+            caller.start()
+            assert done.wait(5), "the signal handler blocked on the event's lock"
+        assert supervisor.stop_requested.wait(5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
