@@ -67,9 +67,12 @@ Reported per workload × temperature × configuration (grounded.md, results.json
 
 --serving-clients N adds a serving level: N closed-loop clients (bench.bench_serving's load
 generator) send the grounded prompts for --serving-seconds against default `up` and against
-`up --drafter none`, per temperature, each level on a freshly started server (default suffix cache;
+`up --drafter none` (and, with --serving-configs target-only, the latter with every request taking
+target-only steps), per temperature, each level on a freshly started server (default suffix cache;
 a level repeats a prompt only after it has sent them all, counted in `repeats`); aggregate tok/s,
-request tok/s p50, latency p50.
+request tok/s p50, latency p50, TTFT p50. The servers run with `--metrics-port 0`, and the level
+reads the verifier's batching counters before and after: passes, calls and query rows per pass
+(padding included), the padding's share, seconds per pass and output tokens per row.
 """
 
 from __future__ import annotations
@@ -101,7 +104,17 @@ SERVER_CONFIGS = {"A": ("specdec", "lookup", "suffix", "model"), "B": ("drafter-
 REQUEST_SOURCE = {"specdec": None, "lookup": "lookup", "suffix": "suffix", "model": "model",
                   "drafter-none": None, "target-only": None}  # request's draft_source (None: the server's)
 REQUEST_METHOD = {"target-only": "autoregressive"}  # the request's method (absent: the server's default)
-SERVING_CONFIGS = ("specdec", "drafter-none")  # default `up`, `up --drafter none`
+# The serving level's servers: default `up`, `up --drafter none`, and the latter with every request
+# taking target-only steps (what the passes carry without any draft).
+SERVING_CONFIGS = ("specdec", "drafter-none", "target-only")
+SERVING_SERVERS = {"specdec": "A", "drafter-none": "B", "target-only": "B"}
+# Engine counters read from each server's /metrics before and after a level (role verifier): what
+# its passes carried. And the orchestrator's, for the tokens those passes made.
+VERIFIER_COUNTERS = ("specdec_batches_total", "specdec_batch_calls_total", "specdec_batch_tokens_total",
+                     "specdec_batch_positions_total", "specdec_batch_seconds_total")
+ORCHESTRATOR_COUNTERS = ("specdec_emitted_tokens_total", "specdec_iterations_total",
+                         "specdec_source_drafted_tokens_total", "specdec_source_accepted_tokens_total",
+                         "specdec_source_drafts_total")
 CACHE_CONFIGS = ("specdec", "suffix", "drafter-none")  # read and fill the suffix cache (hybrid: unseeded)
 SOURCES = ("model", "lookup", "suffix")
 CACHE_REQUESTS = max(len(tasks) for *_, tasks in AGENT_FAMILIES)
@@ -265,10 +278,11 @@ def up_args(server: str, args: argparse.Namespace) -> list[str]:
     return ["--drafter", "none", "--target", args.target, "--dtype", args.dtype, *extra]
 
 
-def start_server(server: str, name: str, args: argparse.Namespace, cache_requests: int | None, progress: Say):
+def start_server(server: str, name: str, args: argparse.Namespace, cache_requests: int | None, progress: Say,
+                 extra: Sequence[str] = ()):
     from bench.bench_serving import SpecdecServer
 
-    spec = SpecdecServer(name, up_args(server, args), args.out)
+    spec = SpecdecServer(name, [*up_args(server, args), *extra], args.out)
     progress(f"[{name}] starting: specdec up {shlex.join(spec.up_args)}"
              + (f" (SPECDEC_SUFFIX_CACHE_REQUESTS={cache_requests})" if cache_requests is not None else ""))
     began = time.perf_counter()
@@ -428,25 +442,28 @@ def serving(args: argparse.Namespace, items: list[Item], tokenizer, progress: Sa
     warm_case = Case("warm-up", WARMUP_TEXT, warm_ids)
     out: dict[str, Any] = {"clients": args.serving_clients, "seconds": args.serving_seconds,
                            "prompts": len(cases), "levels": []}
-    for name, server in zip(SERVING_CONFIGS, ("A", "B"), strict=True):
+    for name in SERVING_CONFIGS:
         if name not in args.serving_configs:
             continue
         for temperature in args.temperatures:
-            spec = start_server(server, f"serving-{name}-T{temperature:g}", args, None, progress)
+            spec = start_server(SERVING_SERVERS[name], f"serving-{name}-T{temperature:g}", args, None,
+                                progress, extra=["--metrics-port", "0"])
             try:
-                sampling = Sampling(args.max_new_tokens, temperature, None)
+                sampling = Sampling(args.max_new_tokens, temperature, None, REQUEST_METHOD.get(name))
                 timeout_s = args.serving_seconds + args.drain_timeout + 60
                 backend = SpecdecBackend(spec.info["orchestrator"], sampling, timeout_s, f"{spec.name}")
                 warm = asyncio.run(warm_up(backend, warm_case, timeout_s))
                 if warm.error is not None:
                     raise SystemExit(f"[{spec.name}] warm-up request failed: {warm.error}")
                 progress(f"[{spec.name}] {args.serving_clients} clients for {args.serving_seconds:g} s …")
+                before = scrape_counters(spec.info)
                 level = asyncio.run(run_level(backend, prompt_cycle(cases), args.serving_clients,
                                               args.serving_seconds, args.drain_timeout, progress))
+                passes = pass_summary(before, scrape_counters(spec.info))
             finally:
                 spec.stop()
             summary = summarize_level(level.records, level.elapsed, {})
-            summary.update(config=name, temperature=temperature,
+            summary.update(config=name, temperature=temperature, passes=passes,
                            command=shlex.join(["specdec", "up", *spec.up_args]),
                            repeats=max(0, len(level.records) - len(cases)),
                            records=[asdict(r) for r in level.records])
@@ -454,6 +471,57 @@ def serving(args: argparse.Namespace, items: list[Item], tokenizer, progress: Sa
             progress(f"[{spec.name}] {summary['aggregate_tok_s']:.2f} tok/s aggregate, "
                      f"{summary['requests']} done, {summary['errors']} errors")
     return out
+
+
+def scrape_counters(info: dict[str, Any]) -> dict[str, float]:
+    """The verifier's VERIFIER_COUNTERS (role verifier) and the orchestrator's ORCHESTRATOR_COUNTERS,
+    each summed over its labels but `source` and `drafted` ("name{source}"), from `up`'s /metrics."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = defaultdict(float)
+    urls = info.get("metrics") or {}
+    for service, wanted in (("verifier", VERIFIER_COUNTERS), ("orchestrator", ORCHESTRATOR_COUNTERS)):
+        if service not in urls:
+            continue
+        with urlopen(urls[service], timeout=10) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name not in wanted or sample.labels.get("role", "verifier") != "verifier":
+                    continue
+                part = sample.labels.get("source") or sample.labels.get("drafted")
+                out[f"{sample.name}{{{part}}}" if part else sample.name] += sample.value
+    return dict(out)
+
+
+def pass_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What the verifier's batched passes carried over a level (the counters' differences): passes,
+    calls per pass, query rows per pass (padding included), the padding's share, seconds per pass,
+    and the orchestrator's emitted tokens per query row (how much of the passes' work became output)."""
+    delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    passes = delta.get("specdec_batches_total", 0.0)
+    rows = delta.get("specdec_batch_tokens_total", 0.0)
+    positions = delta.get("specdec_batch_positions_total", 0.0)
+    seconds = delta.get("specdec_batch_seconds_total", 0.0)
+    emitted = delta.get("specdec_emitted_tokens_total", 0.0)
+    drafted = {key.split("{")[1].rstrip("}"): value for key, value in delta.items()
+               if key.startswith("specdec_source_drafted_tokens_total{")}
+    accepted = {key.split("{")[1].rstrip("}"): value for key, value in delta.items()
+                if key.startswith("specdec_source_accepted_tokens_total{")}
+    return {
+        "counters": delta,
+        "passes": passes,
+        "calls_per_pass": delta.get("specdec_batch_calls_total", 0.0) / passes if passes else None,
+        "rows_per_pass": rows / passes if passes else None,
+        "padding_share": 1.0 - positions / rows if rows else None,
+        "seconds_per_pass": seconds / passes if passes else None,
+        "rows_per_second": rows / seconds if seconds else None,
+        "emitted_per_row": emitted / rows if rows else None,
+        "emitted_per_position": emitted / positions if positions else None,
+        "acceptance_by_source": {s: accepted.get(s, 0.0) / d for s, d in drafted.items() if d},
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -572,12 +640,28 @@ def render_serving(serving_results: dict[str, Any]) -> list[str]:
     r = serving_results
     lines = ["", f"### Serving: {r['clients']} closed-loop clients, {r['seconds']:g} s per level, "
              f"{r['prompts']} grounded prompts, each level on a fresh server (default suffix cache)", "",
-             "| config | T | agg tok/s | req tok/s p50 | latency p50 s | done | errors | repeats |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| config | T | agg tok/s | req tok/s p50 | latency p50 s | TTFT p50 s | done | errors "
+             "| repeats |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for level in r["levels"]:
         lines.append(f"| {level['config']} | {level['temperature']:g} | {level['aggregate_tok_s']:.2f} | "
                      f"{_cell(level['request_tok_s_p50'])} | {_cell(level['latency_p50_s'])} | "
+                     f"{_cell(level.get('ttft_p50_s'), '.1f')} | "
                      f"{level['requests']} | {level['errors']} | {level['repeats']} |")
+    with_passes = [level for level in r["levels"] if level.get("passes")]
+    if with_passes:
+        lines += ["", "What the verifier's batched passes carried over each level (its /metrics before and "
+                  "after; prefill passes that run alone are not in them): calls and query rows per pass "
+                  "(padding included), the padding's share of the rows, seconds per pass, and output tokens "
+                  "per row.", "",
+                  "| config | T | passes | calls/pass | rows/pass | padding | s/pass | rows/s | tokens/row |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for level in with_passes:
+            p = level["passes"]
+            lines.append(f"| {level['config']} | {level['temperature']:g} | {p['passes']:.0f} | "
+                         f"{_cell(p['calls_per_pass'])} | {_cell(p['rows_per_pass'], '.1f')} | "
+                         f"{_cell(p['padding_share'], '.0%')} | {_cell(p['seconds_per_pass'], '.3f')} | "
+                         f"{_cell(p['rows_per_second'], '.0f')} | {_cell(p['emitted_per_row'])} |")
     return lines
 
 
@@ -679,7 +763,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--serving-seconds", type=float, default=300.0,
                    help="how long the serving level starts requests")
     p.add_argument("--serving-configs", type=_choices(SERVING_CONFIGS, "serving configuration(s)"),
-                   default=list(SERVING_CONFIGS), help="servers of the serving level (default both)")
+                   default=["specdec", "drafter-none"],
+                   help="servers of the serving level: specdec (default `up`), drafter-none, target-only "
+                        "(`up --drafter none`, every request method autoregressive); default the first two")
     p.add_argument("--drain-timeout", type=float, default=900.0,
                    help="seconds the serving level's requests in flight may take after its time is up")
     p.add_argument("--out", type=Path, default=None, help="folder for results.json and grounded.md")

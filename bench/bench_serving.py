@@ -232,6 +232,7 @@ class Sampling:
     max_new_tokens: int
     temperature: float
     seed: int | None  # specdec only: request n gets seed + n
+    method: str | None = None  # specdec only: the request's method (None: the server's default)
 
 
 class SpecdecConnection:
@@ -254,6 +255,7 @@ class SpecdecConnection:
             max_new_tokens=s.max_new_tokens,
             sampling=SamplingParams(temperature=s.temperature),
             stop_token_ids=[],
+            method=s.method,
             seed=None if s.seed is None else s.seed + n,
             request_id=f"{self.tag}-{n}",
         )

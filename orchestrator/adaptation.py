@@ -134,7 +134,7 @@ def _pooled(hits: list[_Mean], prior: float, prior_weight: float) -> float:
     return (total + prior_weight * prior) / (weight + prior_weight)
 
 
-def _line_seconds(by_size: dict[int, _Mean], n: int) -> float:
+def _line_seconds(by_size: dict[int, _Mean], n: float) -> float:
     """A weighted least-squares line through the mean seconds measured at each size, read at n
     (PRIOR_SLOPE through a single size; nan with none)."""
     points = [(size, m.value, m.weight) for size, m in by_size.items() if m.weight > 0]
@@ -480,8 +480,20 @@ class SourceEstimates:
       c_s     per source, accepted ÷ predicted tokens (the proposal's own estimate, Σ of its path
               probabilities), with CALIBRATION_PRIOR pseudo-tokens of 1: a proposal's counts say how
               often a continuation recurred, not how often the target agrees;
-      W(n)    the wall time of an iteration that verified n positions without the draft model (a
-              model-free draft, or a target-only step): a line through the measured sizes.
+      W(r)    the wall time of an iteration without the draft model (a model-free draft, or a
+              target-only step) whose verifier pass carried r query rows: a line through the measured
+              sizes. Alone in its pass, r is the request's own positions; in a batched pass (many
+              requests of a server), r counts every call's rows, padded to the widest
+              (VerifyOutcome.extra pass_rows; specdec.runtime.batching);
+      B       calls per verifier pass (pass_calls; 1 alone).
+
+    A draft of n positions is charged W(B·n): the time of a pass in which every one of the B calls
+    verifies as many positions. That is what a draft costs once requests share passes: the pass pads
+    every call to the widest, so one request's long draft makes the whole batch's pass long, and every
+    request of a busy server faces the same choice. Charged W(n) instead (its own rows only), each
+    request saw its positions as nearly free beside the others' and drafted long, and on a CPU, where
+    a pass costs in proportion to its rows, 8 clients filled the passes with rows that were thrown away
+    (bench/RESULTS.md, "Serving: batch-aware drafts"). Alone (B = 1) the two agree.
 
     Decayed like PairEstimates (half-life HALF_LIFE iterations), so a changing workload is followed.
     """
@@ -491,19 +503,24 @@ class SourceEstimates:
     _accepted: dict[str, _Mean] = field(default_factory=dict)
     _wall: dict[int, _Mean] = field(default_factory=dict)
     _model_side: _Mean = field(default_factory=_Mean)  # per token: made without a model-free draft
+    _calls: _Mean = field(default_factory=_Mean)  # calls per verifier pass (B)
 
     def observe(self, source: str | None, *, predicted: float, accepted: int, positions: int,
-                wall_seconds: float, steady: bool = True) -> None:
+                wall_seconds: float, steady: bool = True, pass_calls: float = 1.0,
+                pass_rows: float | None = None) -> None:
         """One iteration without the draft model: a model-free draft of `source` (None: a target-only
-        step) that verified `positions` positions; its time only when steady (no prefill in it)."""
+        step) that verified `positions` positions, in a verifier pass of `pass_calls` calls and
+        `pass_rows` rows (None: alone, its positions); its time only when steady (no prefill in it)."""
         decay = 0.5 ** (1.0 / self.half_life)
-        for mean in (*self._predicted.values(), *self._accepted.values(), *self._wall.values()):
+        for mean in (*self._predicted.values(), *self._accepted.values(), *self._wall.values(), self._calls):
             mean.fade(decay)
         if source is not None:
             self._predicted.setdefault(source, _Mean()).add(predicted)
             self._accepted.setdefault(source, _Mean()).add(float(accepted))
         if steady and wall_seconds > 0:
-            self._wall.setdefault(positions, _Mean()).add(wall_seconds)
+            rows = max(positions, round(pass_rows)) if pass_rows is not None else positions
+            self._wall.setdefault(rows, _Mean()).add(wall_seconds)
+            self._calls.add(max(1.0, pass_calls))
 
     def observe_tokens(self, *, model_side: int, tokens: int) -> None:
         """One iteration's emitted tokens, `model_side` of them without a model-free draft."""
@@ -520,6 +537,11 @@ class SourceEstimates:
         predicted, accepted = self._predicted.get(source, _Mean()), self._accepted.get(source, _Mean())
         return (accepted.total + CALIBRATION_PRIOR) / (predicted.total + CALIBRATION_PRIOR)
 
+    def batch_calls(self) -> float:
+        """B: the recent mean of calls per verifier pass (1 before any)."""
+        return self._calls.value if self._calls.weight > 0 else 1.0
+
     def iteration_seconds(self, positions: int) -> float:
-        """W(n) (nan before any measurement)."""
-        return _line_seconds(self._wall, positions)
+        """W(B·n): an iteration verifying n positions, charged the pass it makes when each of the
+        pass's B calls verifies as many (class docstring; nan before any measurement)."""
+        return _line_seconds(self._wall, self.batch_calls() * positions)

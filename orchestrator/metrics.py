@@ -79,6 +79,8 @@ Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label r
   specdec_batches_total{role}                       batched forward passes run
   specdec_batch_calls_total{role}                   forward jobs those passes served (/ batches = batch size)
   specdec_batch_tokens_total{role}                  query positions in those passes, padding included
+  specdec_batch_positions_total{role}               of those, the calls' own (tokens − positions = padding)
+  specdec_batch_seconds_total{role}                 time those passes ran (/ batches = seconds per pass)
   specdec_score_hits_total, specdec_late_scores_total   verifier: early scores used / too late
   specdec_draft_rows_requests_total                 verifier: lean verifies that asked for draft rows
 HTTP API (HttpMetrics: orchestrator.openai_http's middleware records it; route = /v1/completions |
@@ -528,6 +530,9 @@ _SESSION_STATS = {
                     "size).", "counter"),
     "batch_tokens": ("specdec_batch_tokens", "Query positions in batched passes, padding included.",
                      "counter"),
+    "batch_positions": ("specdec_batch_positions", "Of those, the calls' own positions (the rest is "
+                        "padding).", "counter"),
+    "batch_seconds": ("specdec_batch_seconds", "Time the batched passes ran.", "counter"),
     "created": ("specdec_sessions_created", "Sessions created.", "counter"),
     "released": ("specdec_sessions_released", "Sessions released by their caller.", "counter"),
     "score_hits": ("specdec_score_hits", "Verifies that used the rows of an early Score call.", "counter"),

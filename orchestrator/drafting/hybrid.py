@@ -155,7 +155,9 @@ class HybridDrafts(Drafting):
             source = draft.source if self._free_turn else None
             self.estimates.observe(self._key(source) if source else None, predicted=self._predicted,
                                    accepted=record.accepted, positions=record.num_drafted + 1,
-                                   wall_seconds=record.end - record.start, steady=self._steady)
+                                   wall_seconds=record.end - record.start, steady=self._steady,
+                                   pass_calls=outcome.extra.get("pass_calls", 1.0),
+                                   pass_rows=outcome.extra.get("pass_rows"))
             if source:
                 self.own_predicted[source] = self.own_predicted.get(source, 0.0) + self._predicted
                 self.own_accepted[source] = self.own_accepted.get(source, 0.0) + record.accepted

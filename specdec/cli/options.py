@@ -136,7 +136,8 @@ MaxBatchTokensOpt = Annotated[int, typer.Option(
     "in one batched pass.")]
 BatchWindowOpt = Annotated[float, typer.Option(
     "--batch-window-ms", min=0.0, max=1000.0, help="How long a pass waits for calls still on their way "
-    "before it starts (only while other calls are in flight).")]
+    "before it starts: calls holding a session, and sessions of the last two passes that have not queued "
+    "again (a lone client never waits).")]
 # Engine defaults, spelled out: the CLI starts without torch (specdec.engine.sessions.SessionConfig's and
 # orchestrator.config's defaults; a test checks they agree).
 DEFAULT_MAX_SESSIONS = 1024

@@ -47,7 +47,7 @@ from specdec.generation import CHAT_ROLES, ChatMessage
 from specdec.methods import DETERMINISTIC_METHOD_NAMES, Method, verification_method
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import ForwardBatcher, ThreadWidths
+from specdec.runtime.batching import ForwardBatcher, PassShape, ThreadWidths
 from specdec.runtime.chat_template import ChatTemplateRenderer, TemplateLimits
 from specdec.runtime.detokenize import check_cursor, detokenize
 from specdec.runtime.kv import TreeKVCache
@@ -263,11 +263,13 @@ class VerifierEngine:
             if scored is not None and scored.key != key:
                 scored = None
             reused = scored is not None
+            shapes: list[PassShape] = []  # an early Score call's pass is not this call's
             if scored is not None:
                 score, forward_seconds = scored.score, scored.forward_seconds
                 self.score_hits += 1
             else:
-                score, forward_seconds = self._forward(session, committed, tree)
+                with self._batcher.shapes() as shapes:
+                    score, forward_seconds = self._forward(session, committed, tree)
 
             began = time.perf_counter()
             if scored is not None and scored.warped is not None and scored.warped[0] == request.sampling:
@@ -317,7 +319,8 @@ class VerifierEngine:
                 forward_seconds=forward_seconds,
                 verify_seconds=verify_seconds,
                 reused_tokens=score.reused,
-                extra={"pending_tokens": float(score.pending_len), "score_reused": float(reused)},
+                extra={"pending_tokens": float(score.pending_len), "score_reused": float(reused),
+                       **_pass_extra(shapes)},
             )
         if request.text is not None:  # after the session's lock: other calls of the session go on
             self._add_text(outcome, ids, request.text)
@@ -404,6 +407,15 @@ class VerifierEngine:
             return check_rows(tree, request.draft_probs, "draft", vocab)
         except VerificationError as exc:
             raise InvalidRequest(f"{'lean draft' if lean is not None else 'draft_probs'}: {exc}") from exc
+
+
+def _pass_extra(shapes: list[PassShape]) -> dict[str, float]:
+    """VerifyOutcome.extra's pass_calls and pass_rows: what the call's forward pass carried, so the
+    orchestrator can tell a batch's cost from its own draft's (orchestrator.adaptation.SourceEstimates)."""
+    if not shapes:
+        return {}
+    return {"pass_calls": float(max(shape.calls for shape in shapes)),
+            "pass_rows": float(sum(shape.rows for shape in shapes))}
 
 
 def _to_device(draft: DraftRows, device: torch.device) -> DraftRows:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_BATCH_TOKENS = 512
-DEFAULT_BATCH_WINDOW_MS = 2.0
+DEFAULT_BATCH_WINDOW_MS = 10.0
 # Engine calls that may run at once in a batching engine's worker pool (each waits for its pass).
 BATCHING_WORKERS = 64
 
@@ -20,7 +20,8 @@ class BatchConfig:
     enabled: False runs every pass on its own, one engine call at a time (the pre-batching engine).
     max_batch_tokens: at most this many query positions (sessions x their padded new tokens) in
     one pass; a call that alone exceeds it runs alone. window_ms: how long a pass that could take
-    more work waits for calls still on their way (only while other calls are in flight).
+    more work waits for calls still on their way: calls holding a session, and the sessions of the
+    last two passes that have not queued again (specdec.runtime.batching).
     """
 
     enabled: bool = True

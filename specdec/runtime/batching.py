@@ -18,7 +18,10 @@ no one, and a padding query sees only itself (so no attention row is empty). Pos
 the session's own. Keeping the new entries last gives every session its rows as a suffix of
 the pass's, so one `logits_to_keep` serves all. The verification rules run per session on
 those rows afterwards, so batching changes no output beyond floating-point rounding
-(docs/algorithms.md §13).
+(docs/algorithms.md §13). The sessions' caches are copied into the batch once, into buffers with
+room for the new entries; afterwards each session appends only its new entries to its own cache.
+(Handing each session a fresh copy of its whole cache, as this once did, cost more than the
+forward itself at 4–8 calls a pass.)
 
 Threads: every pass runs on one thread, the engine's ComputeThread, whichever call leads it: a
 process whose torch work moves between threads runs it far slower (specdec.runtime.compute_thread).
@@ -40,7 +43,7 @@ import torch
 
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.compute_thread import ComputeThread
-from specdec.runtime.kv import ExtendPlan, TreeKVCache, additive_mask, model_device_dtype
+from specdec.runtime.kv import ExtendPlan, TreeKVCache, additive_mask, growing_layer_class, model_device_dtype
 
 
 @dataclass(eq=False)
@@ -52,6 +55,8 @@ class _Job:
     error: BaseException | None = None
     done: bool = False
     wide: bool = False  # the caller said no drafter call runs beside it (ThreadWidths)
+    pass_calls: int = 0  # the pass that served it: calls in it, and query rows (padding included)
+    pass_rows: int = 0
 
     @property
     def positions(self) -> int:
@@ -74,7 +79,19 @@ class BatchStats:
     batches: int = 0  # passes run (a pass with one call included)
     batch_calls: int = 0  # plans those passes served
     batch_tokens: int = 0  # query positions in those passes, padding included
+    batch_positions: int = 0  # of those, the calls' own positions (the rest is padding)
+    batch_seconds: float = 0.0  # time those passes ran
     largest_batch: int = 0
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """The batched passes one engine call's forward work ran in: why its time is what it is. A call
+    alone in its pass has calls 1 and rows = its positions; beside others, every call of the pass
+    waited for all `rows` (each padded to the widest call's positions)."""
+
+    calls: int  # the most calls one of its passes served
+    rows: int  # query rows of its passes, padding included
 
 
 class ForwardBatcher:
@@ -95,6 +112,8 @@ class ForwardBatcher:
         self._queue: list[_Job] = []
         self._running = False
         self._members = 0  # calls holding a session: each may queue a plan soon
+        # The sessions (caches) of the last two batched passes: their next calls are on their way.
+        self._recent: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
 
     # the engines' side ------------------------------------------------------------------------
     @contextmanager
@@ -119,12 +138,25 @@ class ForwardBatcher:
         finally:
             self._caller.wide = before
 
-    def counters(self) -> dict[str, int]:
-        """queue_depth (plans waiting for a pass), batches, batch_calls, batch_tokens (for metrics)."""
+    def counters(self) -> dict[str, float]:
+        """queue_depth (plans waiting for a pass), batches, batch_calls, batch_tokens, batch_positions,
+        batch_seconds (for metrics)."""
         with self._cond:
             stats = self.stats
             return {"queue_depth": len(self._queue), "batches": stats.batches,
-                    "batch_calls": stats.batch_calls, "batch_tokens": stats.batch_tokens}
+                    "batch_calls": stats.batch_calls, "batch_tokens": stats.batch_tokens,
+                    "batch_positions": stats.batch_positions, "batch_seconds": stats.batch_seconds}
+
+    @contextmanager
+    def shapes(self) -> Iterator[list[PassShape]]:
+        """Collect the shapes of the passes this thread's calls ran in meanwhile (PassShape)."""
+        before = getattr(self._caller, "shapes", None)
+        collected: list[PassShape] = []
+        self._caller.shapes = collected
+        try:
+            yield collected
+        finally:
+            self._caller.shapes = before
 
     def extend(self, kv: TreeKVCache, plan: ExtendPlan) -> torch.Tensor:
         """Run `plan` on `kv` (with others' plans when they are waiting); its logits rows."""
@@ -159,6 +191,9 @@ class ForwardBatcher:
                     self._cond.notify_all()
         if job.error is not None:
             raise job.error
+        collected = getattr(self._caller, "shapes", None)
+        if collected is not None and job.kv is not None:
+            collected.append(PassShape(job.pass_calls, job.pass_rows))
         return job
 
     def _take(self) -> list[_Job]:
@@ -166,8 +201,13 @@ class ForwardBatcher:
         config = self.config
         if config.enabled and config.window_ms > 0:
             deadline = self.clock() + config.window_ms / 1000
-            # Other calls hold sessions but have not queued yet: give them a moment to join.
-            while (self._members > len(self._queue) and self._queued_positions() < config.max_batch_tokens
+            # Other calls hold sessions but have not queued yet, or sessions of the last passes have
+            # not come back yet: give them a moment to join. Without the second, clients that missed
+            # one pass kept missing every other one: their next calls always arrived while the
+            # pass of the rest ran, and 8 clients went as two batches of 4 in turn
+            # (bench/RESULTS.md, "Serving: batch-aware drafts").
+            while ((self._members > len(self._queue) or self._sessions_on_their_way())
+                   and self._queued_positions() < config.max_batch_tokens
                    and (left := deadline - self.clock()) > 0):
                 self._cond.wait(left)
         first = self._queue[0]
@@ -190,7 +230,16 @@ class ForwardBatcher:
     def _queued_positions(self) -> int:
         return sum(job.positions for job in self._queue)
 
+    def _sessions_on_their_way(self) -> bool:
+        """Whether a session of the last two batched passes has no plan queued (its next call is
+        probably on its way back from the caller); never while a pass that runs alone is first."""
+        if not self._queue or self._queue[0].kv is None:
+            return False
+        queued = {id(job.kv) for job in self._queue if job.kv is not None}
+        return any(session not in queued for passed in self._recent for session in passed)
+
     def _execute(self, batch: list[_Job]) -> None:
+        began = time.perf_counter()
         if self.threads is not None:
             threads = self.threads.for_pass(all(job.wide for job in batch))
             if torch.get_num_threads() != threads:
@@ -210,13 +259,19 @@ class ForwardBatcher:
             for job in batch:
                 job.error = exc
         if batch[0].kv is not None:
-            self._count(batch)
+            self._count(batch, time.perf_counter() - began)
 
-    def _count(self, batch: list[_Job]) -> None:
+    def _count(self, batch: list[_Job], seconds: float) -> None:
+        self._recent = (self._recent[1], frozenset(id(job.kv) for job in batch))
+        rows = len(batch) * max(job.positions for job in batch)
+        for job in batch:
+            job.pass_calls, job.pass_rows = len(batch), rows
         stats = self.stats
         stats.batches += 1
         stats.batch_calls += len(batch)
-        stats.batch_tokens += len(batch) * max(job.positions for job in batch)
+        stats.batch_tokens += rows
+        stats.batch_positions += sum(job.positions for job in batch)
+        stats.batch_seconds += seconds
         stats.largest_batch = max(stats.largest_batch, len(batch))
 
     # the batched pass -------------------------------------------------------------------------
@@ -232,19 +287,26 @@ class ForwardBatcher:
         longest, widest, size = max(cached), max(news), len(batch)
 
         cache = DynamicCache(config=self.model.config)
+        growing = growing_layer_class()
+        if all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
+            cache.layers = [growing() for _ in cache.layers]
         if longest:
+            # The sessions' entries, left-padded, in buffers with room for the pass's new entries:
+            # the model appends them in place (no copy of the batch's cache per layer).
             states = [kv.layer_states() for kv in kvs]  # type: ignore[union-attr]
             for index, layer in enumerate(cache.layers):
                 template = next(s[index] for s in states if s[index] is not None)[0]
-                shape = (size, template.shape[1], longest, template.shape[3])
+                shape = (size, template.shape[1], longest + widest, template.shape[3])
                 keys = template.new_zeros(shape)
                 values = template.new_zeros(shape)
                 for b, state in enumerate(states):
                     if state[index] is not None:
-                        keys[b, :, longest - cached[b]:] = state[index][0][0]
-                        values[b, :, longest - cached[b]:] = state[index][1][0]
+                        keys[b, :, longest - cached[b]:longest] = state[index][0][0]
+                        values[b, :, longest - cached[b]:longest] = state[index][1][0]
                 layer.lazy_initialization(keys, values)
-                layer.keys, layer.values = keys, values
+                layer.keys, layer.values = keys[..., :longest, :], values[..., :longest, :]
+                if isinstance(layer, growing):
+                    layer._key_buffer, layer._value_buffer = keys, values
 
         total = longest + widest
         input_ids = torch.zeros((size, widest), dtype=torch.long)
@@ -277,13 +339,9 @@ class ForwardBatcher:
         results = []
         for b, (kv, plan) in enumerate(zip(kvs, plans, strict=True)):
             assert kv is not None and plan is not None
-            n, c = news[b], cached[b]
-            # The session's cached entries, then its new ones (padding in between dropped).
-            spans = [slice(longest - c, longest), slice(total - n, total)][0 if c else 1:]
-            kv.set_layer_states([
-                tuple(torch.cat([states[b:b + 1, :, span] for span in spans], dim=-2)
-                      for states in (layer.keys, layer.values))
-                for layer in cache.layers
-            ])
+            n = news[b]
+            # Each session's cached entries are unchanged: it appends only its new ones.
+            kv.append_layer_entries([(layer.keys[b:b + 1, :, total - n:total],
+                                      layer.values[b:b + 1, :, total - n:total]) for layer in cache.layers])
             results.append(logits[b, keep - (n - plan.rows_from):])
         return results

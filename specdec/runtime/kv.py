@@ -301,15 +301,14 @@ class TreeKVCache:
             for layer in self._layers()
         ]
 
-    def set_layer_states(self, states: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Replace every layer's keys and values (a batched pass hands a session its entries back)."""
+    def append_layer_entries(self, states: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append new entries, keys and values [1, heads, n, dim] per layer, after the cached ones (a
+        batched pass hands a session its new entries: copied into the session's own buffers)."""
         layers = self._layers()
         if len(states) != len(layers):
             raise CacheError(f"{len(states)} layer states for a cache of {len(layers)} layers")
         for layer, (keys, values) in zip(layers, states, strict=True):
-            if not getattr(layer, "is_initialized", True):
-                layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
+            layer.update(keys, values)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         """Append committed tokens straight to the prefix (empty block only), with no explicit mask.

@@ -7,8 +7,9 @@ from bench import bench_batching
 
 def test_measure_times_both_ways_and_undoes_its_extensions(tiny_models):
     model = next(iter(tiny_models.values())).model
-    batched, alone = bench_batching.measure(model, 3, [4, 9], 2, repeats=2)
+    batched, forward, alone = bench_batching.measure(model, 3, [4, 9], 2, repeats=2)
     assert batched > 0 and alone > 0
+    assert 0 < forward < batched  # the model's call is part of the batched pass
 
 
 def test_main_prints_one_row_per_size(tiny_dirs, capsys):

@@ -156,6 +156,10 @@ def test_score_then_verify_reuses_the_forward_pass(verifier):
     assert verifier.score_hits == 1 and scored.extra["score_reused"] == 1.0
     fresh = verifier.verify(verify_request("b", 0, prompt, tokens, parents, "gsd-tree", draft_probs=q))
     assert fresh.extra["score_reused"] == 0.0
+    # The pass's shape goes with the call that ran it (alone: one call, its own rows), never with a
+    # verify that reused an earlier Score call's pass.
+    assert fresh.extra["pass_calls"] == 1.0 and fresh.extra["pass_rows"] >= len(tokens)
+    assert "pass_rows" not in scored.extra
     assert (scored.tokens, scored.accepted_nodes) == (fresh.tokens, fresh.accepted_nodes)
     assert committed_of(verifier, "a") == committed_of(verifier, "b")
     # A score that arrives after its verify is ignored (and does not rewind the session).

@@ -207,10 +207,49 @@ def test_a_free_turn_after_a_model_turn_is_settled_as_free() -> None:
     step = _step(lag=0, catch_up_seconds=0.0)
     step.record = SimpleNamespace(emitted=[1, 2], accepted=1, num_drafted=1, start=0.0, end=0.1)
     draft = SimpleNamespace(target_only=False, fallback=False, source="suffix", plan=None)
+    outcome = SimpleNamespace(extra={"pass_calls": 2.0, "pass_rows": 6.0})
     assert hybrid.plan(step) == "model plan"
-    hybrid.settle(step, draft, None)  # type: ignore[arg-type]
+    hybrid.settle(step, draft, outcome)  # type: ignore[arg-type]
     assert model.settled == 1
     assert hybrid.plan(step) == "free plan"
-    hybrid.settle(step, draft, None)  # type: ignore[arg-type]
+    hybrid.settle(step, draft, outcome)  # type: ignore[arg-type]
     assert model.settled == 1, "the model strategy must not learn from a model-free draft"
     assert hybrid.own_accepted["suffix"] == 1
+
+
+def _batched_estimates(calls: int) -> SourceEstimates:
+    """W(r) = 0.1 + 0.03·r s by the pass's rows r, every pass shared by `calls` calls, each padded to
+    the widest; suffix drafts accepted as predicted."""
+    estimates = SourceEstimates()
+    for n in range(1, 7):
+        for _ in range(3):
+            rows = calls * n
+            estimates.observe(None, predicted=0.0, accepted=0, positions=n, wall_seconds=0.1 + 0.03 * rows,
+                              pass_calls=calls, pass_rows=rows)
+    for _ in range(40):
+        estimates.observe("suffix:greedy", predicted=2.0, accepted=2, positions=3,
+                          wall_seconds=0.1 + 0.09 * calls, pass_calls=calls, pass_rows=3 * calls)
+    return estimates
+
+
+def test_a_draft_is_charged_the_pass_every_call_of_the_batch_would_make() -> None:
+    """Beside 7 other calls a pass carries 8 rows per verified position: W(B·n), not W(n)."""
+    alone, shared = _batched_estimates(1), _batched_estimates(8)
+    assert shared.batch_calls() == 8.0 and alone.batch_calls() == 1.0
+    assert math.isclose(alone.iteration_seconds(4), 0.1 + 0.03 * 4, rel_tol=1e-9)
+    assert math.isclose(shared.iteration_seconds(4), 0.1 + 0.03 * 32, rel_tol=1e-9)
+    # A proposal worth drafting alone (each token 0.6 likely) is refused in a busy server's passes,
+    # where a long one (0.95 each) still pays.
+    modest = Proposal(tokens=(5, 6, 7, 8, 9), parents=(-1, 0, 1, 2, 3), probs=(0.6,) * 5, match_len=3,
+                      source="suffix")
+    assert _hybrid(alone).choose(modest) is not None
+    assert _hybrid(shared).choose(modest) is None
+    assert _hybrid(shared).choose(CHAIN) is not None
+
+
+def test_a_verifier_that_reports_no_pass_shape_is_read_as_alone() -> None:
+    estimates = SourceEstimates()
+    for n in (1, 2, 3):
+        estimates.observe(None, predicted=0.0, accepted=0, positions=n, wall_seconds=0.1 * n)
+    assert estimates.batch_calls() == 1.0
+    assert math.isclose(estimates.iteration_seconds(2), 0.2, rel_tol=1e-9)

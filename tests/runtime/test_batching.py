@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -139,3 +140,73 @@ def test_rows_from_is_honoured_per_session(tiny, rows_from):
     with torch.no_grad():
         plain = model(input_ids=torch.tensor([[1, 2, 3]])).logits[0].float()
     torch.testing.assert_close(jobs[0].logits, plain[rows_from:], atol=1e-4, rtol=0)
+
+
+def test_each_call_learns_the_shape_of_the_pass_it_ran_in(tiny):
+    """PassShape: a pass of 3 calls, the widest with 4 positions, carries 3 × 4 = 12 rows (padding
+    included) and every call of it is told so; a call alone is told its own positions. The counters
+    keep the calls' own positions apart from the padding."""
+    model = tiny.model
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=0))
+    kvs = [TreeKVCache(model, runner=batcher) for _ in range(3)]
+    widths = (1, 4, 2)
+    batch = [_Job(kv=kv, plan=kv.plan(list(range(1, n + 1)), list(range(-1, n - 1)), n - 1))
+             for kv, n in zip(kvs, widths, strict=True)]
+    batcher._execute(batch)
+    assert [(job.pass_calls, job.pass_rows) for job in batch] == [(3, 12)] * 3
+    counters = batcher.counters()
+    assert (counters["batch_tokens"], counters["batch_positions"]) == (12, 7)
+    assert counters["batch_seconds"] > 0
+
+    alone = TreeKVCache(model, runner=batcher)
+    with batcher.shapes() as shapes:
+        alone.extend([1, 2, 3], [-1, 0, 1], 2)
+    assert [(shape.calls, shape.rows) for shape in shapes] == [(1, 3)]
+    with batcher.shapes() as outer:
+        with batcher.shapes() as inner:
+            alone.extend([4], [-1], 0)
+        alone.extend([5, 6], [-1, 0], 1)
+    assert [(s.calls, s.rows) for s in inner] == [(1, 1)]
+    assert [(s.calls, s.rows) for s in outer] == [(1, 2)]
+
+
+def test_a_pass_waits_briefly_for_the_sessions_of_the_last_passes(tiny):
+    """Sessions that ran in the last passes are expected back: a leader with only some of them queued
+    waits (at most the window) for the rest, so clients do not settle into alternating halves; one
+    that does not come back costs at most the window."""
+    model = tiny.model
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=1000))
+    kvs = [TreeKVCache(model, runner=batcher) for _ in range(2)]
+    _shared_pass(batcher, kvs)
+    before = batcher.stats.batches
+
+    def late_second() -> None:
+        time.sleep(0.2)
+        kvs[1].extend([2], [-1], 0)
+
+    thread = threading.Thread(target=late_second)
+    thread.start()
+    began = time.monotonic()
+    kvs[0].extend([2], [-1], 0)
+    thread.join(JOIN_S)
+    assert batcher.stats.batches == before + 1, "the two calls shared one pass"
+    assert time.monotonic() - began < 1.5
+
+    # Only session 0 comes back now: the leader waits out the window once or twice, then runs alone.
+    quick = ForwardBatcher(model, BatchConfig(window_ms=100))
+    pair = [TreeKVCache(model, runner=quick) for _ in range(2)]
+    _shared_pass(quick, pair)
+    began = time.monotonic()
+    for token in range(2, 6):
+        pair[0].extend([token], [-1], 0)
+    assert time.monotonic() - began < 0.25 * 4 + 1.0
+    assert quick.stats.batches == 5
+
+
+def _shared_pass(batcher: ForwardBatcher, kvs: list[TreeKVCache]) -> None:
+    """One batched pass in which every cache appends one token."""
+    jobs = [_Job(kv=kv, plan=kv.plan([1], [-1], 0)) for kv in kvs]
+    batcher._execute(jobs)
+    for job in jobs:
+        assert job.error is None and job.kv is not None and job.plan is not None
+        job.kv.apply(job.plan)
