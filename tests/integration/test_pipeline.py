@@ -219,8 +219,11 @@ def test_a_dead_drafter_is_restarted_on_its_address(pipeline, stub) -> None:
     old_pid, address = pipeline.info["pids"]["drafter"], pipeline.info["drafter"]
     os.kill(old_pid, signal.SIGKILL)
     assert wait_gone([old_pid], 10) == []
+    # draft_source "model": a model-free draft (the hybrid default's choice for a seeded request whose
+    # own n-grams match) would count as drafted without the drafter.
     request = generation_pb2.GenerationRequest(prompt_ids=common_pb2.TokenIds(ids=[1, 2]), max_new_tokens=6,
-                                               seed=3, method="token", stop_token_ids=common_pb2.TokenIds())
+                                               seed=3, method="token", stop_token_ids=common_pb2.TokenIds(),
+                                               draft_source="model")
     assert len(stub.Generate(request, timeout=RPC_TIMEOUT_S).token_ids) == 6  # served either way
     ready = pipeline.log_dir / "drafter.ready.json"
     deadline = time.monotonic() + 120
