@@ -43,7 +43,14 @@ import torch
 
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.compute_thread import ComputeThread
-from specdec.runtime.kv import ExtendPlan, TreeKVCache, additive_mask, growing_layer_class, model_device_dtype
+from specdec.runtime.kv import (
+    ExtendPlan,
+    TreeKVCache,
+    additive_mask,
+    growing_cache,
+    growing_layer_class,
+    model_device_dtype,
+)
 
 
 @dataclass(eq=False)
@@ -86,12 +93,12 @@ class BatchStats:
 
 @dataclass(frozen=True)
 class PassShape:
-    """The batched passes one engine call's forward work ran in: why its time is what it is. A call
-    alone in its pass has calls 1 and rows = its positions; beside others, every call of the pass
-    waited for all `rows` (each padded to the widest call's positions)."""
+    """One batched pass a call's forward work ran in: why its time is what it is. A call alone in its
+    pass sees calls 1 and rows = its positions; beside others, every call of the pass waited for all
+    `rows` (each padded to the widest call's positions)."""
 
-    calls: int  # the most calls one of its passes served
-    rows: int  # query rows of its passes, padding included
+    calls: int  # calls the pass served
+    rows: int  # query rows of the pass, padding included
 
 
 class ForwardBatcher:
@@ -276,8 +283,6 @@ class ForwardBatcher:
 
     # the batched pass -------------------------------------------------------------------------
     def _batched_pass(self, batch: list[_Job]) -> list[torch.Tensor]:
-        from transformers import DynamicCache
-
         device, dtype = model_device_dtype(self.model)
         kvs = [job.kv for job in batch]
         plans = [job.plan for job in batch]
@@ -286,10 +291,8 @@ class ForwardBatcher:
         news = [len(plan.tokens) for plan in plans]  # type: ignore[union-attr]
         longest, widest, size = max(cached), max(news), len(batch)
 
-        cache = DynamicCache(config=self.model.config)
+        cache = growing_cache(self.model.config)
         growing = growing_layer_class()
-        if all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
-            cache.layers = [growing() for _ in cache.layers]
         if longest:
             # The sessions' entries, left-padded, in buffers with room for the pass's new entries:
             # the model appends them in place (no copy of the batch's cache per layer).

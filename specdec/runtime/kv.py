@@ -107,21 +107,28 @@ def growing_layer_class():
     return GrowingLayer
 
 
+def growing_cache(config):
+    """A DynamicCache whose layers append in place (growing_layer_class) where they are plain
+    DynamicLayers: a session's cache, and a batched pass's cache of many sessions."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    if all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", ())):
+        growing = growing_layer_class()
+        cache.layers = [growing() for _ in cache.layers]
+    return cache
+
+
 class TreeKVCache:
     def __init__(
         self, model, lock: threading.Lock | None = None, runner: ForwardRunner | None = None
     ) -> None:
-        from transformers import DynamicCache
-
         self.model = model
         self.lock = lock  # held around forward passes (one pass at a time per model) when given
         # Runs this cache's passes, possibly batched with other caches' (specdec.runtime.batching);
         # None: each pass runs here, under `lock`.
         self.runner = runner
-        self.cache = DynamicCache(config=model.config)
-        if all(type(layer).__name__ == "DynamicLayer" for layer in getattr(self.cache, "layers", ())):
-            growing = growing_layer_class()
-            self.cache.layers = [growing() for _ in self.cache.layers]
+        self.cache = growing_cache(model.config)
         self.prefix: list[int] = []
         self.block_tokens: list[int] = []
         self.block_parents: list[int] = []
