@@ -18,6 +18,7 @@ from specdec.engine.api import (
     MAX_TREE_NODES,
     DraftRequest,
     DraftResult,
+    DraftRowsRequest,
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
@@ -52,6 +53,8 @@ class DrafterBackend(Protocol):
 
     def lookahead(self, request: LookaheadRequest) -> LookaheadResult: ...
 
+    def draft_rows(self, request: DraftRowsRequest): ...
+
 
 def check_counts(engine: DrafterBackend, append: int, nodes: int = 0) -> None:
     """Refuse repeated fields no call may be that long, by their counts alone: before they are read
@@ -71,6 +74,16 @@ class DrafterServicer(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         req = convert.draft_request_from_proto(request)
         result = await run_observed(self.executor, self.observers, "Draft", req, self.engine.draft, req)
         return convert.draft_result_to_proto(result)
+
+    @guarded
+    async def DraftRows(self, request: drafter_pb2.DraftRowsRequest, context):
+        if len(request.rows) > MAX_TREE_NODES + 1:
+            raise InvalidRequest(f"rows holds {len(request.rows)} indices; a draft has at most "
+                                 f"{MAX_TREE_NODES + 1} rows")
+        req = convert.draft_rows_request_from_proto(request)
+        engine_call = self.engine.draft_rows
+        rows = await run_observed(self.executor, self.observers, "DraftRows", req, engine_call, req)
+        return convert.tensor_to_proto(rows, "rows")
 
     @guarded
     async def Lookahead(self, request: drafter_pb2.LookaheadRequest, context) -> drafter_pb2.LookaheadResult:

@@ -14,6 +14,9 @@ Lean draft rows (docs/algorithms.md §12): in "lean" mode a verify of a method w
 sends each node's q(x̃) and the rows known to be read (`rows_up_front`) instead of all rows; when
 the verifier answers draft_rows_needed (it then holds `committed` and nothing more), the same
 verify is resent with those rows added, as a call of its own on the timeline ("verify-rows").
+A fresh draft asked with `park_rows` goes lean on the drafter's side too: the drafter sends the
+q(x̃) and keeps its rows (`ParkedRows`); a verify fetches the rows it needs from there
+("draft-rows"), so no [n + 1, V] block crosses the wire unless a rule reads it.
 
 Faults (orchestrator.failover, orchestrator.health), through the run's `watch` (the orchestrator):
 each drafter call has a deadline and is cancelled past it (DrafterSlow); the drafter session it was
@@ -44,6 +47,7 @@ from orchestrator.timeline import Timeline
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
+    DraftRowsRequest,
     LookaheadRequest,
     LookaheadResult,
     ScoreRequest,
@@ -124,6 +128,22 @@ def _fits(result: DraftResult | LookaheadResult, vocab_size: int) -> bool:
     return all(0 <= t < vocab_size for t in result.tokens) and (rows is None or rows.shape[-1] == vocab_size)
 
 
+@dataclass(frozen=True)
+class ParkedRows:
+    """A lean draft's rows, kept by the drafter (DraftRequest.lean_rows): each node's q of its token
+    came with the draft; whole rows are fetched (DrafterClient.draft_rows) only where a rule reads
+    them. Losing them (a drafter restart) before the verify decides fails the request: the rule has
+    already drawn against q and cannot redo the step without them."""
+
+    token_probs: list[float]
+    count: int  # rows in the [n + 1, V] layout
+    session_id: str  # the drafter session that drafted them
+    rows_id: int
+
+
+DRAFT_ROWS_TIMEOUT_S = 30.0
+
+
 def draft_rows(draft: DraftResult, n: int) -> torch.Tensor:
     """The first n draft rows of a drafter's answer (an error when it sent fewer)."""
     if draft.draft_probs is None or draft.draft_probs.shape[0] < n:
@@ -185,6 +205,7 @@ class RunSessions:
         spec = get_method(run.settings.method)
         self.strategy = spec.draft_strategy or "sample"  # target-only runs never draft
         self.want_rows = spec.needs_draft_rows
+        self.lean_drafts = spec.needs_draft_rows and spec.lean_rows  # rows may stay at the drafter
 
     def lag(self, committed: Sequence[int], *, drafting: bool) -> int:
         """Committed tokens the verifier (and the drafter, when `drafting`) must first take in before
@@ -203,18 +224,43 @@ class RunSessions:
         return self.watch.drafter_expected(1, behind) - self.watch.drafter_expected(1, 0)
 
     # drafter -----------------------------------------------------------------------------------
-    async def draft(self, context: list[int], *, shape: Sequence[int], timeline: Timeline) -> DraftResult:
-        """Draft a tree of `shape` (parent indices) after `context`."""
+    async def draft(self, context: list[int], *, shape: Sequence[int], timeline: Timeline,
+                    park_rows: bool = False) -> DraftResult:
+        """Draft a tree of `shape` (parent indices) after `context`. `park_rows`: in lean mode, for a
+        method whose rows go lean, the drafter keeps its rows and answers token_probs (see `parked`)."""
         drafter, run = self._drafter(), self.run.settings
+        lean_rows = park_rows and self.lean_drafts and self.draft_rows == "lean"
 
         def call(base: int, append: list[int]) -> Awaitable[DraftResult]:
             return self._deadlined(drafter.draft(DraftRequest(
                 session_id=self.drafter_session, base_len=base, append=append, shape_parents=list(shape),
                 sampling=run.sampling, seed=run.seed, strategy=self.strategy,
-                want_distributions=self.want_rows,
+                want_distributions=self.want_rows, lean_rows=lean_rows,
             )), passes=max(1, max_depth(shape)), catch_up=len(append))
 
         return await self._drafter_call(context, call, timeline, "draft")
+
+    def parked(self, result: DraftResult) -> ParkedRows | None:
+        """The parked rows of a lean draft that just came back (None for a draft with its rows)."""
+        if not result.rows_id or result.token_probs is None:
+            return None
+        return ParkedRows(list(result.token_probs), len(result.tokens) + 1, self.drafter_session,
+                          result.rows_id)
+
+    async def _fetch_rows(self, parked: ParkedRows, rows: list[int], timeline: Timeline) -> torch.Tensor:
+        """Rows of a parked lean draft, from the drafter that holds them."""
+        if self.drafter is None:
+            raise PeerUnavailable("the drafter that holds a lean draft's rows is gone; the request fails")
+        request = DraftRowsRequest(session_id=parked.session_id, rows_id=parked.rows_id, rows=rows)
+        try:
+            async with asyncio.timeout(DRAFT_ROWS_TIMEOUT_S):
+                values = await timeline.timed("draft", self.drafter.draft_rows(request), "draft-rows")
+        except (TimeoutError, SessionGone, PeerUnavailable) as exc:
+            raise PeerUnavailable(f"the drafter lost the rows of a lean draft before its verify decided "
+                                  f"({type(exc).__name__}: {exc}); the request fails") from exc
+        if tuple(values.shape[:1]) != (len(rows),):
+            raise PeerUnavailable(f"the drafter sent {tuple(values.shape)} rows for {len(rows)} asked")
+        return values
 
     async def lookahead(
         self, context: list[int], *, k: int, bonus_guesses: int, rejection_guesses: int, timeline: Timeline
@@ -337,7 +383,7 @@ class RunSessions:
 
     async def verify(
         self, committed: list[int], tree: DraftTree, *, method: str, params: MethodParams,
-        draft_probs: torch.Tensor | None, timeline: Timeline, text: TextCursor | None = None,
+        draft_probs: torch.Tensor | ParkedRows | None, timeline: Timeline, text: TextCursor | None = None,
         deterministic: bool = False, drafter_idle: bool = False,
     ) -> VerifyOutcome:
         """One target pass over committed + tree and `method`'s rule; the verifier commits the tokens.
@@ -351,9 +397,24 @@ class RunSessions:
         """
         run, verifier = self.run, self.verifier
         spec = get_method(method)
-        lean = draft_probs is not None and self.draft_rows == "lean" and spec.lean_rows
-        probs = token_probs(tree, draft_probs) if lean else []
+        parked = draft_probs if isinstance(draft_probs, ParkedRows) else None
+        lean = parked is not None or (
+            draft_probs is not None and self.draft_rows == "lean" and spec.lean_rows)
+        if parked is not None:
+            probs = parked.token_probs
+        else:
+            probs = token_probs(tree, draft_probs) if lean else []  # type: ignore[arg-type]
         rows = set(spec.rows_up_front(params, len(tree))) if lean else set()
+        values: torch.Tensor | None = None
+
+        async def gather() -> None:  # the values of `rows`, from the parked draft or the rows at hand
+            nonlocal values
+            if not rows:
+                values = None
+            elif parked is not None:
+                values = await self._fetch_rows(parked, sorted(rows), timeline)
+            else:
+                values = draft_probs[sorted(rows)]  # type: ignore[index]
 
         def call(base: int, append: list[int]) -> Awaitable[VerifyOutcome]:
             request = VerifyRequest(
@@ -364,11 +425,12 @@ class RunSessions:
             if lean:
                 request.draft_token_probs = probs
                 request.draft_row_indices = sorted(rows)
-                request.draft_row_values = draft_probs[sorted(rows)] if rows else None
+                request.draft_row_values = values
             else:
-                request.draft_probs = draft_probs
+                request.draft_probs = draft_probs  # type: ignore[assignment]
             return verifier.verify(request)
 
+        await gather()
         catch_up = self.verifier_mirror.behind(committed)
         started = time.perf_counter()
         outcome = await self._verifier_call(committed, call, timeline)
@@ -381,6 +443,7 @@ class RunSessions:
                 raise RuntimeError(f"verifier asked for draft rows {sorted(asked)} of a {len(tree)}-node "
                                    f"{'lean' if lean else 'full'} verify that carried {sorted(rows)}")
             rows |= asked
+            await gather()
             outcome = await self._verifier_call(committed, call, timeline, "verify-rows")  # base_len = all
             forward_seconds += outcome.forward_seconds
             verify_seconds += outcome.verify_seconds

@@ -45,37 +45,17 @@ SAMPLES, TINY_SAMPLES = 1000, 60
 
 
 class Service:
-    """One `specdec serve ROLE` process (own process group, log file); stopped by `stop`."""
+    """One service process (own process group, log file) that writes {"port": N} to its ready file
+    once serving; stopped by `stop`. `Service.serve` is a `specdec serve ROLE` process."""
 
-    def __init__(self, work: Path, role: str, model: Path, device: str, dtype: str) -> None:
-        self.name = f"{role}-{dtype}"
+    def __init__(self, work: Path, name: str, argv: list[str]) -> None:
+        self.name = name
         self.ready = work / f"{self.name}.ready.json"
         self.log_path = work / f"{self.name}.log"
-        argv = [
-            sys.executable,
-            "-m",
-            "specdec.cli",
-            "serve",
-            role,
-            "--model",
-            str(model),
-            "--device",
-            device,
-            "--dtype",
-            dtype,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--ready-file",
-            str(self.ready),
-        ]
-        if device == "cpu":
-            argv += ["--threads", "1"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "w") as sink:
             self.process = subprocess.Popen(
-                argv,
+                [*argv, "--ready-file", str(self.ready)],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
@@ -83,6 +63,14 @@ class Service:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+
+    @classmethod
+    def serve(cls, work: Path, role: str, model: Path, device: str, dtype: str) -> Service:
+        argv = [sys.executable, "-m", "specdec.cli", "serve", role, "--model", str(model), "--device", device,
+                "--dtype", dtype, "--host", "127.0.0.1", "--port", "0"]
+        if device == "cpu":
+            argv += ["--threads", "1"]
+        return cls(work, f"{role}-{dtype}", argv)
 
     def address(self, deadline: float) -> str:
         while time.monotonic() < deadline:
@@ -183,14 +171,20 @@ def step(args: StepArgs) -> StepResult:
 
     dtypes = ("bfloat16", "float32") if args.cuda else ("float32",)
     methods = TINY_METHODS if args.tiny else METHODS
+    # A rerun of what an earlier check left unmeasured: SPECDEC_FIDELITY_DTYPES / _METHODS (names).
+    if os.environ.get("SPECDEC_FIDELITY_DTYPES"):
+        dtypes = tuple(d for d in os.environ["SPECDEC_FIDELITY_DTYPES"].split(",") if d)
+    if os.environ.get("SPECDEC_FIDELITY_METHODS"):
+        chosen = set(os.environ["SPECDEC_FIDELITY_METHODS"].split(","))
+        methods = tuple(m for m in METHODS if m[0] in chosen)
     samples = TINY_SAMPLES if args.tiny else SAMPLES
     work = Path(tempfile.mkdtemp(prefix="specdec-device-fidelity-"))
     target = save_tiny_model(work / "target", vocab_size=VOCAB, seed=111, num_layers=1)
     draft = save_tiny_model(work / "draft", vocab_size=VOCAB, seed=222, num_layers=1)
     services = {
         dtype: (
-            Service(work, "drafter", draft, args.device, dtype),
-            Service(work, "verifier", target, args.device, dtype),
+            Service.serve(work, "drafter", draft, args.device, dtype),
+            Service.serve(work, "verifier", target, args.device, dtype),
         )
         for dtype in dtypes
     }

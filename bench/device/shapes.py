@@ -144,17 +144,21 @@ REAL_SELF_PAIR_MODEL = "qwen2.5-1.5b"
 TINY_SELF_PAIR_MODEL = "tiny-target"
 
 
-def config_of(name: str):
-    """The transformers config object of shape `name` (sdpa attention: it honours our 4D masks)."""
+def config_of(name: str, vocab_size: int | None = None):
+    """The transformers config object of shape `name` (sdpa attention: it honours our 4D masks);
+    `vocab_size` overrides the shape's (a draft shape paired with a target of a padded vocabulary)."""
     from transformers import AutoConfig
 
     values = dict(CONFIGS[name])
+    if vocab_size is not None:
+        values["vocab_size"] = vocab_size
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     config._attn_implementation = "sdpa"
     return config
 
 
-def build_model(name: str, device: str, dtype: str, seed: int = 0):
+def build_model(name: str, device: str, dtype: str, seed: int = 0, vocab_size: int | None = None,
+                keep_layers: int | None = None):
     """Random weights of shape `name`, created on `device` in `dtype` (no host copy of a 16 GB model)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -163,11 +167,19 @@ def build_model(name: str, device: str, dtype: str, seed: int = 0):
     if device.startswith("cuda"):
         torch.cuda.manual_seed_all(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config_of(name), dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(config_of(name, vocab_size), dtype=getattr(torch, dtype))
+    if keep_layers is not None:  # a self-draft: the shape's own first layers, embeddings and head
+        model.model.layers = model.model.layers[:keep_layers]
+        model.config.num_hidden_layers = keep_layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:keep_layers]
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return model.eval()
 
 
-def loaded_model(name: str, device: str, dtype: str, seed: int = 0, tokenizer: Any = None):
+def loaded_model(name: str, device: str, dtype: str, seed: int = 0, tokenizer: Any = None,
+                 vocab_size: int | None = None, keep_layers: int | None = None):
     """The engines' LoadedModel for a random model of shape `name`, with `tokenizer` or else a
     word-level tokenizer of its vocabulary (specdec.runtime.tiny's "t{i}" words; seconds to build for
     150k words, so a caller that builds several models of one vocabulary passes one along), as
@@ -176,10 +188,10 @@ def loaded_model(name: str, device: str, dtype: str, seed: int = 0, tokenizer: A
     from specdec.runtime.loading import LoadedModel
     from specdec.runtime.tiny import build_tokenizer
 
-    model = build_model(name, device, dtype, seed)
+    model = build_model(name, device, dtype, seed, vocab_size, keep_layers)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     info = ModelInfo(
-        model_id=f"{name}-random-{seed}@{dtype}",
+        model_id=f"{name}{f'[:{keep_layers}]' if keep_layers else ''}-random-{seed}@{dtype}",
         vocab_size=vocab,
         tokenizer_fingerprint=f"words-{vocab}",
         max_context=4096,

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
+    DraftRowsRequest,
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
@@ -31,6 +34,8 @@ class DrafterClient(Protocol):
     async def draft(self, request: DraftRequest) -> DraftResult: ...
 
     async def lookahead(self, request: LookaheadRequest) -> LookaheadResult: ...
+
+    async def draft_rows(self, request: DraftRowsRequest) -> torch.Tensor: ...
 
     async def release(self, session_id: str) -> None: ...
 

@@ -7,9 +7,12 @@ ClientSecurity). The client of the orchestrator's GenerationService is specdec.c
 
 from __future__ import annotations
 
+import torch
+
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
+    DraftRowsRequest,
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
@@ -41,6 +44,10 @@ class GrpcDrafterClient(GrpcClient):
     async def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
         msg = _encode(convert.lookahead_request_to_proto, request)
         return convert.lookahead_result_from_proto(await self._unary("Lookahead", msg))
+
+    async def draft_rows(self, request: DraftRowsRequest) -> torch.Tensor:
+        msg = _encode(convert.draft_rows_request_to_proto, request)
+        return convert.tensor_from_proto(await self._unary("DraftRows", msg), "rows")
 
     async def release(self, session_id: str) -> None:
         await self._unary("Release", common_pb2.ReleaseRequest(session_id=session_id))

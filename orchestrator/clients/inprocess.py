@@ -15,9 +15,12 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
+    DraftRowsRequest,
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
@@ -61,6 +64,9 @@ class InProcessDrafterClient(_InProcessClient):
 
     async def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
         return await self._call("lookahead", request)
+
+    async def draft_rows(self, request: DraftRowsRequest) -> torch.Tensor:
+        return await self._call("draft_rows", request)
 
 
 class InProcessVerifierClient(_InProcessClient):

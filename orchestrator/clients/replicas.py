@@ -30,9 +30,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import torch
+
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
+    DraftRowsRequest,
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
@@ -214,6 +217,9 @@ class ReplicatedDrafterClient(_Replicated):
 
     async def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
         return await self.replicas.for_session(request.session_id, lambda c: c.lookahead(request))
+
+    async def draft_rows(self, request: DraftRowsRequest) -> torch.Tensor:
+        return await self.replicas.for_session(request.session_id, lambda c: c.draft_rows(request))
 
 
 class ReplicatedVerifierClient(_Replicated):

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from orchestrator.run import Run, RunSettings
-from orchestrator.sessions import RunSessions
+from orchestrator.sessions import ParkedRows, RunSessions
 from orchestrator.timeline import Timeline
 from specdec.defaults import MODEL_SOURCE
 from specdec.engine.api import VerifyOutcome
@@ -71,7 +71,7 @@ class Draft:
     """What the target's pass verifies: a tree, its draft rows, and the rule that decides it."""
 
     tree: DraftTree
-    rows: torch.Tensor | None
+    rows: torch.Tensor | ParkedRows | None  # ParkedRows: the rows stay at the drafter (lean)
     method: str  # the verification rule (the run's method, or the target-only one)
     params: MethodParams
     plan: Plan | None = None  # None: a target-only step by plan, or one that replaced a lost draft

@@ -15,15 +15,19 @@ from specdec.engine.api import DraftResult, VerifyOutcome
 from specdec.trees import DraftTree, optimal_tree_shape, sequence_parents
 
 
-async def propose(step: Step, plan: Plan) -> DraftResult:
-    """The drafter's tree of the plan's shape after the committed prefix."""
-    return await step.sessions.draft(step.committed, shape=plan.shape, timeline=step.timeline)
+async def propose(step: Step, plan: Plan, *, park_rows: bool = False) -> DraftResult:
+    """The drafter's tree of the plan's shape after the committed prefix. `park_rows`: the rows stay
+    at the drafter where the method's rows go lean (orchestrator.sessions.ParkedRows); a strategy
+    that reads the rows itself (RD's coins) leaves it off."""
+    return await step.sessions.draft(step.committed, shape=plan.shape, timeline=step.timeline,
+                                     park_rows=park_rows)
 
 
 def as_draft(step: Step, plan: Plan, result: DraftResult) -> Draft:
     """A drafter's answer as the draft the run's method verifies."""
     tree = DraftTree(tuple(result.tokens), tuple(result.parents))
-    return Draft(tree, result.draft_probs, step.settings.method, plan.params, plan=plan)
+    rows = step.sessions.parked(result) or result.draft_probs
+    return Draft(tree, rows, step.settings.method, plan.params, plan=plan)
 
 
 class SequenceDrafts(Drafting):
@@ -50,7 +54,7 @@ class SequenceDrafts(Drafting):
     async def draft(self, step: Step, plan: Plan, ready: DraftResult | None = None) -> Draft:
         """The plan's draft: `ready` when a look-ahead pre-drafted it, else a fresh one."""
         step.record.k = plan.k
-        return as_draft(step, plan, ready if ready is not None else await propose(step, plan))
+        return as_draft(step, plan, ready if ready is not None else await propose(step, plan, park_rows=True))
 
     def expected_rate(self) -> float:
         """The online chooser's tokens per second at its best length (nan for a fixed k)."""
@@ -101,5 +105,5 @@ class TreeDrafts(Drafting):
 
     async def draft(self, step: Step, plan: Plan) -> Draft:
         step.record.k = plan.k
-        return as_draft(step, plan, await propose(step, plan))
+        return as_draft(step, plan, await propose(step, plan, park_rows=True))
 

@@ -131,6 +131,18 @@ BatchingOpt = Annotated[bool, typer.Option(
         "Run the forward passes of concurrent calls from different sessions as one batched pass "
         "(continuous batching; each session keeps its own KV cache and the verification math stays "
         "per session, so outputs are unchanged). --no-batching runs engine calls one at a time."))]
+CudaGraphsOpt = Annotated[bool, typer.Option(
+    "--cuda-graphs/--no-cuda-graphs", help=(
+        "On a CUDA device: keep the sessions' KV caches in one preallocated pool and replay each pass "
+        "as a CUDA graph captured at start (a pass costs its kernels, not ~35 Python launches a layer). "
+        "Capture time and graph memory are logged at start. --no-cuda-graphs runs eager passes on "
+        "growing caches (the CPU always does)."))]
+KvSlotsOpt = Annotated[int, typer.Option(
+    "--kv-slots", min=1, help="With --cuda-graphs: sessions the KV pool holds at once (more sessions get "
+    "eager caches). The pool's memory is slots x slot tokens x the model's KV bytes per token.")]
+KvSlotTokensOpt = Annotated[int, typer.Option(
+    "--kv-slot-tokens", min=64, help="With --cuda-graphs: cache entries one pooled session holds (prompt, "
+    "output and draft); a longer session moves to an eager cache.")]
 MaxBatchTokensOpt = Annotated[int, typer.Option(
     "--max-batch-tokens", min=1, help="At most this many query positions (sessions x padded new tokens) "
     "in one batched pass.")]

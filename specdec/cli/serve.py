@@ -52,6 +52,7 @@ from specdec.cli.options import (
     ChatTemplateOpt,
     ChatTemplateTimeoutOpt,
     CoresOpt,
+    CudaGraphsOpt,
     DefaultAOpt,
     DefaultKOpt,
     DefaultMethodOpt,
@@ -66,6 +67,8 @@ from specdec.cli.options import (
     HttpPortOpt,
     InsecureEngineOpt,
     KvCacheOpt,
+    KvSlotsOpt,
+    KvSlotTokensOpt,
     LogLevelOpt,
     MaxActiveRequestsOpt,
     MaxBatchTokensOpt,
@@ -114,7 +117,12 @@ from specdec.defaults import (
     DEFAULT_TARGET_MODEL,
     DRAFT_SOURCES,
 )
-from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
+from specdec.runtime.batch_config import (
+    DEFAULT_BATCH_WINDOW_MS,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_POOL_SLOTS,
+    DEFAULT_SLOT_TOKENS,
+)
 
 MIB = 1024 * 1024
 # `serve orchestrator --drafter none` (and `up --drafter none`): no drafter at all, no draft model.
@@ -199,8 +207,11 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
                  observability: ObservabilityOptions, batching: Any = None,
                  kv_cache_mb: float = DEFAULT_KV_CACHE_MB,
                  admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S, security: Any = None,
-                 threads_beside_drafter: int | None = None, template_limits: Any = None) -> None:
+                 threads_beside_drafter: int | None = None, template_limits: Any = None,
+                 cuda_graphs: tuple[int, int] | None = None) -> None:
     """Load the model, build the engine and serve it (role: drafter | verifier) until a signal.
+
+    `cuda_graphs`: (slots, slot tokens) of the KV pool whose passes are captured on CUDA; None: eager.
 
     security: the port's TLS / mTLS / token (specdec.rpc.security.ServerSecurity, checked by the
     caller before this loads anything); None = plaintext and open. template_limits: the verifier's
@@ -230,6 +241,14 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
         sessions = SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl,
                                  max_kv_tokens=max_kv_tokens, admission_timeout_s=admission_timeout)
         extra: dict[str, Any] = {"template_limits": template_limits} if role == "verifier" else {}
+        if cuda_graphs is not None and loaded.device.type == "cuda":
+            from specdec.runtime.kv_pool import PoolConfig
+
+            slots, slot_tokens = cuda_graphs
+            context = loaded.info.max_context
+            extra["kv_pool"] = PoolConfig(slots=slots, slot_tokens=min(slot_tokens, context) if context > 0
+                                          else slot_tokens)
+            err.print(f"{role}: capturing CUDA graphs for {slots} KV slots of {slot_tokens} tokens …")
         if threads_beside_drafter is not None:
             import torch
 
@@ -310,6 +329,9 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         insecure_engine: InsecureEngineOpt = False,
         max_chat_template_kb: MaxChatTemplateKbOpt = 64,
         chat_template_timeout: ChatTemplateTimeoutOpt = 2.0,
+        cuda_graphs: CudaGraphsOpt = True,
+        kv_slots: KvSlotsOpt = DEFAULT_POOL_SLOTS,
+        kv_slot_tokens: KvSlotTokensOpt = DEFAULT_SLOT_TOKENS,
         threads_beside_drafter: Annotated[int | None, typer.Option(
             "--threads-beside-drafter", min=1, rich_help_panel="Models and placement",
             help="Verifier only: torch threads of a pass while a drafter call runs beside it; the other "
@@ -334,7 +356,8 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
                      session_ttl=session_ttl, ready_file=ready_file, log_level=log_level,
                      observability=observability, batching=batch, kv_cache_mb=kv_cache_mb,
                      admission_timeout=admission_timeout, security=security,
-                     threads_beside_drafter=threads_beside_drafter, template_limits=template_limits)
+                     threads_beside_drafter=threads_beside_drafter, template_limits=template_limits,
+                     cuda_graphs=(kv_slots, kv_slot_tokens) if cuda_graphs else None)
 
     command.__name__ = command.__qualname__ = f"serve_{role}"
     command.__doc__ = summary

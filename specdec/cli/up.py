@@ -36,12 +36,15 @@ from specdec.cli.options import (
     BatchingOpt,
     BatchWindowOpt,
     ChatTemplateOpt,
+    CudaGraphsOpt,
     DefaultAOpt,
     DefaultKOpt,
     DefaultMethodOpt,
     DraftRowsOpt,
     DtypeOpt,
     KvCacheOpt,
+    KvSlotsOpt,
+    KvSlotTokensOpt,
     MaxActiveRequestsOpt,
     MaxBatchTokensOpt,
     MaxMessageOpt,
@@ -88,7 +91,12 @@ from specdec.defaults import (
     DEFAULT_TARGET_MODEL,
     DRAFT_SOURCES,
 )
-from specdec.runtime.batch_config import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH_TOKENS
+from specdec.runtime.batch_config import (
+    DEFAULT_BATCH_WINDOW_MS,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_POOL_SLOTS,
+    DEFAULT_SLOT_TOKENS,
+)
 
 LOCAL_DRAFTER = "local"
 DRAFT_SOURCE_ENV = "SPECDEC_DRAFT_SOURCE"  # the orchestrator's own variable (OrchestratorConfig.draft_source)
@@ -151,6 +159,9 @@ def up(
     batching: BatchingOpt = True,
     max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
     batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS,
+    cuda_graphs: CudaGraphsOpt = True,
+    kv_slots: KvSlotsOpt = DEFAULT_POOL_SLOTS,
+    kv_slot_tokens: KvSlotTokensOpt = DEFAULT_SLOT_TOKENS,
     default_method: DefaultMethodOpt = None,
     default_k: DefaultKOpt = None,
     default_a: DefaultAOpt = None,
@@ -291,7 +302,9 @@ def up(
               "--max-sessions", str(max_sessions), "--session-ttl", str(session_ttl),
               "--batching" if batching else "--no-batching", "--max-batch-tokens", str(max_batch_tokens),
               "--batch-window-ms", str(batch_window_ms), "--kv-cache-mb", str(kv_cache_mb),
-              "--admission-timeout", str(admission_timeout)]
+              "--admission-timeout", str(admission_timeout),
+              "--cuda-graphs" if cuda_graphs else "--no-cuda-graphs", "--kv-slots", str(kv_slots),
+              "--kv-slot-tokens", str(kv_slot_tokens)]
 
     def engine_child(role: str, model: Path, role_port: int, device: str, cores, threads,
                      extra: tuple[str, ...] = ()) -> processes.Child:

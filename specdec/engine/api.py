@@ -63,6 +63,9 @@ class DraftRequest:
     want_distributions: bool = False
     # Also compute the rows after the leaves (one extra forward pass); needed by RD when K < k_max.
     include_leaf_rows: bool = False
+    # With want_distributions: park the rows at the drafter and answer each node's q of its token
+    # (DraftResult.token_probs); a verify fetches whole rows only on a rejection (DraftRowsRequest).
+    lean_rows: bool = False
 
 
 @dataclass
@@ -74,6 +77,19 @@ class DraftResult:
     draft_probs: torch.Tensor | None = None
     forward_seconds: float = 0.0
     reused_tokens: int = 0  # committed tokens whose KV entries were reused
+    # lean_rows: per node, q of its token in its parent's row (specdec.verification.lean.token_probs
+    # of the parked rows, bit for bit), and the id that names the parked rows in DraftRowsRequest.
+    token_probs: list[float] | None = None
+    rows_id: int = 0
+
+
+@dataclass
+class DraftRowsRequest:
+    """Rows of a lean draft, parked at the drafter (DraftRequest.lean_rows)."""
+
+    session_id: str
+    rows_id: int
+    rows: list[int]  # indices in the [n + 1, V] layout
 
 
 @dataclass

@@ -20,7 +20,9 @@ would use (seed, "draft", context length).
 
 from __future__ import annotations
 
+import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -33,45 +35,63 @@ from specdec.engine.api import (
     MAX_TREE_NODES,
     DraftRequest,
     DraftResult,
+    DraftRowsRequest,
     LookaheadBranch,
     LookaheadRequest,
     LookaheadResult,
     ModelInfo,
 )
 from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, SessionGone
 from specdec.races import race
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.batching import ForwardBatcher
 from specdec.runtime.kv import TreeKVCache
+from specdec.runtime.kv_pool import KVPool, PoolConfig, engine_pool, new_session_cache, renew_session_cache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import prepare
 from specdec.sampling import SamplingParams, warp_logits
-from specdec.trees import max_depth, sequence_parents
+from specdec.trees import DraftTree, max_depth, sequence_parents
+from specdec.verification.lean import token_probs
 
 
 @dataclass
 class DrafterSession:
     kv: TreeKVCache
     committed: list[int] = field(default_factory=list)
+    # The rows of the session's last lean draft (rows id, [n + 1, V] on the CPU): DraftRows reads them.
+    parked: tuple[int, torch.Tensor] | None = None
 
 
 class DrafterEngine:
     def __init__(
         self, loaded: LoadedModel, sessions: SessionConfig | None = None, clock=time.monotonic,
-        batching: BatchConfig | None = None,
+        batching: BatchConfig | None = None, kv_pool: PoolConfig | None = None,
     ) -> None:
+        """`kv_pool`: on CUDA, sessions' caches live in one preallocated pool and passes replay
+        captured CUDA graphs (specdec.runtime.kv_pool); None, or a model off CUDA: eager caches."""
         self.loaded = loaded
         self.batching = batching or BatchConfig()
         # Runs every session's passes; concurrent calls from different sessions share them.
         self._batcher = ForwardBatcher(loaded.model, self.batching, compute=loaded.compute)
+        self.pool: KVPool | None = engine_pool(loaded.model, kv_pool, self._batcher.compute)
         self.sessions: SessionStore[DrafterSession] = SessionStore(
             self._new_session, sessions, clock, size_of=lambda session: session.kv.physical_len())
+        # Sessions with parked lean rows, read without the session's lock (a look-ahead may hold it);
+        # an evicted or released session drops out with its rows.
+        self._parked: weakref.WeakValueDictionary[str, DrafterSession] = weakref.WeakValueDictionary()
+        self._rows_ids = itertools.count(1)
 
     def _new_session(self) -> DrafterSession:
         # The batcher runs one pass at a time on the model (no lock needed besides).
-        return DrafterSession(kv=TreeKVCache(self.loaded.model, runner=self._batcher))
+        return DrafterSession(kv=self._new_cache())
+
+    def _replace_cache(self, old: TreeKVCache) -> TreeKVCache:
+        return renew_session_cache(old, self.loaded.model, self.pool, self._batcher)
+
+    def _new_cache(self) -> TreeKVCache:
+        return new_session_cache(self.loaded.model, self.pool, self._batcher)
 
     def info(self) -> ModelInfo:
         return self.loaded.info
@@ -99,7 +119,7 @@ class DrafterEngine:
             try:
                 return self._draft(session, committed, shape, request)
             except BaseException:
-                session.kv = self._new_session().kv  # never keep a cache in an unknown state
+                session.kv = self._replace_cache(session.kv)  # never keep a cache in an unknown state
                 raise
 
     def _draft(
@@ -178,11 +198,8 @@ class DrafterEngine:
             if leaves:
                 forward(leaves)
 
-        draft_probs = None
-        if request.want_distributions:
-            draft_probs = torch.zeros((len(tokens) + 1, vocab), dtype=torch.float32)
-            for node, row in rows.items():
-                draft_probs[node + 1] = row.to(torch.float32).cpu()
+        draft_probs = _rows_on_cpu({node + 1: row for node, row in rows.items()}, len(tokens) + 1, vocab) \
+            if request.want_distributions else None
 
         # Keep the committed tokens and the first root-to-leaf path that is in the cache.
         first_child: dict[int, int] = {}
@@ -194,6 +211,13 @@ class DrafterEngine:
             path.append(slot[node])
         kv.settle(list(range(len(pending))) + path)
 
+        if request.lean_rows and draft_probs is not None:  # the rows stay here (DraftRows)
+            rows_id = next(self._rows_ids)
+            session.parked = (rows_id, draft_probs)
+            self._parked[request.session_id] = session
+            probs = token_probs(DraftTree(tuple(tokens), tuple(parents)), draft_probs)
+            return DraftResult(tokens=tokens, parents=parents, forward_seconds=forward_seconds,
+                               reused_tokens=reused, token_probs=probs, rows_id=rows_id)
         return DraftResult(
             tokens=tokens,
             parents=parents,
@@ -202,6 +226,19 @@ class DrafterEngine:
             reused_tokens=reused,
         )
 
+
+    def draft_rows(self, request: DraftRowsRequest) -> torch.Tensor:
+        """Rows [len(rows), V] of a session's last lean draft (SessionGone once they are gone)."""
+        session = self._parked.get(request.session_id)
+        parked = session.parked if session is not None else None
+        if parked is None or parked[0] != request.rows_id:
+            raise SessionGone(f"session {request.session_id!r} holds no draft rows {request.rows_id} "
+                              "(released, evicted, or drafted again since)")
+        probs = parked[1]
+        outside = [r for r in request.rows if not 0 <= r < probs.shape[0]]
+        if outside:
+            raise InvalidRequest(f"rows {outside[:8]} lie outside the draft's rows [0, {probs.shape[0]})")
+        return probs[list(request.rows)]
 
     # ------------------------------------------------------------------------------------------
     def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
@@ -218,7 +255,7 @@ class DrafterEngine:
             try:
                 return self._lookahead(session, context, request)
             except BaseException:
-                session.kv = self._new_session().kv  # never keep a cache in an unknown state
+                session.kv = self._replace_cache(session.kv)  # never keep a cache in an unknown state
                 raise
 
     def _lookahead(
@@ -305,14 +342,22 @@ class DrafterEngine:
 
         branches = []
         for (replaces_last, token, _, _), tokens, branch_rows in zip(hypotheses, drafts, rows, strict=True):
-            probs = None
-            if request.want_distributions:
-                probs = torch.zeros((len(tokens) + 1, vocab), dtype=torch.float32)
-                for i, row in enumerate(branch_rows):
-                    probs[i] = row.to(torch.float32).cpu()
+            probs = _rows_on_cpu(dict(enumerate(branch_rows)), len(tokens) + 1, vocab) \
+                if request.want_distributions else None
             draft = DraftResult(tokens=tokens, parents=sequence_parents(len(tokens)), draft_probs=probs)
             branches.append(LookaheadBranch(replaces_last=replaces_last, token=token, draft=draft))
         return LookaheadResult(branches=branches, forward_seconds=forward_seconds, reused_tokens=reused)
+
+
+def _rows_on_cpu(rows: dict[int, torch.Tensor], count: int, vocab: int) -> torch.Tensor:
+    """[count, V] float32 on the CPU: rows[i] at i, zeros elsewhere (one device-to-host copy)."""
+    if not rows:
+        return torch.zeros((count, vocab), dtype=torch.float32)
+    indices = sorted(rows)
+    stacked = torch.stack([rows[i].to(torch.float32) for i in indices])
+    out = stacked.new_zeros((count, vocab))
+    out[indices] = stacked
+    return out.cpu()
 
 
 def _warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

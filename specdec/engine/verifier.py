@@ -51,6 +51,7 @@ from specdec.runtime.batching import ForwardBatcher, PassShape, ThreadWidths
 from specdec.runtime.chat_template import ChatTemplateRenderer, TemplateLimits
 from specdec.runtime.detokenize import check_cursor, detokenize
 from specdec.runtime.kv import TreeKVCache
+from specdec.runtime.kv_pool import KVPool, PoolConfig, engine_pool, new_session_cache, renew_session_cache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.scoring import TreeScore, commit_path, score_tree
 from specdec.runtime.text_bounds import max_bytes_per_token
@@ -95,15 +96,19 @@ class VerifierEngine:
         batching: BatchConfig | None = None,
         threads: ThreadWidths | None = None,
         template_limits: TemplateLimits | None = None,
+        kv_pool: PoolConfig | None = None,
     ) -> None:
         """`verify_fn` defaults to specdec.verification.dispatch.verify (tests may swap it).
         `threads`: a verifier that shares cores with the drafter runs a pass with all its threads only
         when the request says the drafter is idle (VerifyRequest.drafter_idle); None: never changes them.
-        `template_limits`: what a caller-supplied chat template may cost (specdec.runtime.chat_template)."""
+        `template_limits`: what a caller-supplied chat template may cost (specdec.runtime.chat_template).
+        `kv_pool`: on CUDA, sessions' caches live in one preallocated pool and passes replay captured
+        CUDA graphs (specdec.runtime.kv_pool); None, or a model off CUDA: eager caches."""
         self.loaded = loaded
         self.batching = batching or BatchConfig()
         # Runs every session's passes; concurrent calls from different sessions share them.
         self._batcher = ForwardBatcher(loaded.model, self.batching, threads=threads, compute=loaded.compute)
+        self.pool: KVPool | None = engine_pool(loaded.model, kv_pool, self._batcher.compute)
         self._verify = verify_fn or verify
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         # The most bytes a text that fits the context window can have (specdec.runtime.text_bounds),
@@ -121,7 +126,13 @@ class VerifierEngine:
 
     def _new_session(self) -> VerifierSession:
         # The batcher runs one pass at a time on the model (no lock needed besides).
-        return VerifierSession(kv=TreeKVCache(self.loaded.model, runner=self._batcher))
+        return VerifierSession(kv=self._new_cache())
+
+    def _replace_cache(self, old: TreeKVCache) -> TreeKVCache:
+        return renew_session_cache(old, self.loaded.model, self.pool, self._batcher)
+
+    def _new_cache(self) -> TreeKVCache:
+        return new_session_cache(self.loaded.model, self.pool, self._batcher)
 
     # plain calls ----------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -306,7 +317,7 @@ class VerifierEngine:
             try:
                 commit_path(session.kv, score.pending_len, result.accepted_nodes)
             except BaseException:
-                session.kv = self._new_session().kv
+                session.kv = self._replace_cache(session.kv)
                 raise
             session.committed = ids = committed + [int(t) for t in result.tokens]
             session.last_verified = key
@@ -360,7 +371,7 @@ class VerifierEngine:
         try:
             score = score_tree(session.kv, committed, tree)
         except BaseException:
-            session.kv = self._new_session().kv  # never keep a cache in an unknown state
+            session.kv = self._replace_cache(session.kv)  # never keep a cache in an unknown state
             raise
         return score, time.perf_counter() - began
 

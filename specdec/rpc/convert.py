@@ -23,6 +23,7 @@ import torch
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
+    DraftRowsRequest,
     InvalidRequest,
     LookaheadBranch,
     LookaheadRequest,
@@ -142,6 +143,7 @@ def draft_request_to_proto(req: DraftRequest) -> drafter_pb2.DraftRequest:
         strategy=req.strategy,
         want_distributions=bool(req.want_distributions),
         include_leaf_rows=bool(req.include_leaf_rows),
+        lean_rows=bool(req.lean_rows),
     )
 
 
@@ -156,6 +158,7 @@ def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> DraftRequest:
         strategy=msg.strategy if msg.HasField("strategy") else "sample",
         want_distributions=msg.want_distributions,
         include_leaf_rows=msg.include_leaf_rows,
+        lean_rows=msg.lean_rows,
     )
 
 
@@ -165,6 +168,8 @@ def draft_result_to_proto(result: DraftResult) -> drafter_pb2.DraftResult:
         parents=to_ints(result.parents, "parents"),
         forward_seconds=float(result.forward_seconds),
         reused_tokens=int(result.reused_tokens),
+        token_probs=[float(p) for p in result.token_probs or ()],
+        rows_id=to_uint64(result.rows_id, "rows_id"),
     )
     if result.draft_probs is not None:
         msg.draft_probs.CopyFrom(tensor_to_proto(result.draft_probs, "draft_probs"))
@@ -178,7 +183,18 @@ def draft_result_from_proto(msg: drafter_pb2.DraftResult) -> DraftResult:
         draft_probs=_optional_tensor(msg, "draft_probs", "draft_probs"),
         forward_seconds=msg.forward_seconds,
         reused_tokens=msg.reused_tokens,
+        token_probs=list(msg.token_probs) if msg.rows_id else None,
+        rows_id=msg.rows_id,
     )
+
+
+def draft_rows_request_to_proto(req: DraftRowsRequest) -> drafter_pb2.DraftRowsRequest:
+    return drafter_pb2.DraftRowsRequest(session_id=req.session_id, rows_id=to_uint64(req.rows_id, "rows_id"),
+                                        rows=to_ints(req.rows, "rows"))
+
+
+def draft_rows_request_from_proto(msg: drafter_pb2.DraftRowsRequest) -> DraftRowsRequest:
+    return DraftRowsRequest(session_id=msg.session_id, rows_id=msg.rows_id, rows=list(msg.rows))
 
 
 def lookahead_request_to_proto(req: LookaheadRequest) -> drafter_pb2.LookaheadRequest:

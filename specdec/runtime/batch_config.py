@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_BATCH_TOKENS = 512
 DEFAULT_BATCH_WINDOW_MS = 10.0
+# The KV pool of captured passes on CUDA (specdec.runtime.kv_pool): sessions held, entries each.
+DEFAULT_POOL_SLOTS = 8
+DEFAULT_SLOT_TOKENS = 4096
 # Engine calls that may run at once in a batching engine's worker pool (each waits for its pass).
 BATCHING_WORKERS = 64
 

@@ -53,6 +53,14 @@ from specdec.runtime.kv import (
 )
 
 
+def _common_pool(batch: list[_Job]):
+    """The KVPool every job's cache has a slot in (specdec.runtime.kv_pool), else None."""
+    pools = {id(getattr(job.kv, "pool", None)) for job in batch if getattr(job.kv, "pooled", False)}
+    if len(pools) != 1 or not all(getattr(job.kv, "pooled", False) for job in batch):
+        return None
+    return batch[0].kv.pool  # type: ignore[union-attr]
+
+
 @dataclass(eq=False)
 class _Job:
     kv: TreeKVCache | None = None  # None: a pass that runs alone (`run`)
@@ -259,6 +267,10 @@ class ForwardBatcher:
                 job = batch[0]
                 assert job.kv is not None and job.plan is not None
                 job.logits = job.kv.forward(job.plan)
+            elif (pool := _common_pool(batch)) is not None:  # one pass over the pool's slots
+                rows = [job.kv.row(job.plan) for job in batch]  # type: ignore[union-attr]
+                for job, logits in zip(batch, pool.run(rows), strict=True):
+                    job.logits = logits
             else:
                 for job, logits in zip(batch, self._batched_pass(batch), strict=True):
                     job.logits = logits

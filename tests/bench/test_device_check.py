@@ -67,6 +67,13 @@ def test_the_cpu_dry_run_finishes_every_step_ok(tmp_path: Path) -> None:
         assert steps[name]["data"]["verdict"] == "pass", (name, steps[name]["findings"])
     assert steps["exactness"]["data"]["runs"][-1]["passed"] >= 1  # the device test the dry run runs
     assert {r["k"] for r in steps["overhead"]["data"]["rows"]} == {2}
+    # The pooled path ran (eagerly on the CPU): its rows equal the eager cache's, alone and batched.
+    for model in steps["captured"]["data"]["models"].values():
+        assert model["passes_after_rows"]["eager"] > 0
+        assert all(row["max_tv"] < 1e-5 for row in model["rows"].values()), model["rows"]
+    loop = {(r["method"], r["k"]): r for r in steps["loop"]["data"]["rows"]}
+    assert set(loop) == {("autoregressive", 0), ("token", 2)}
+    assert 0 < loop[("token", 2)]["acceptance"] <= 1 and loop[("token", 2)]["projection"] > 0
     assert "**Projected, not measured.**" in steps["projection"]["markdown"]
     markdown = (out / "report.md").read_text()
     for name in check.STEP_NAMES:

@@ -6,6 +6,7 @@ import pytest
 
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
+from specdec.runtime.kv_pool import PoolConfig
 from specdec.runtime.loading import load_model
 from specdec.runtime.tiny import save_tiny_model
 from tests.helpers import device_under_test
@@ -79,11 +80,27 @@ def verifier(target_model):
     return VerifierEngine(target_model)
 
 
-@pytest.fixture
-def device_drafter(device_draft_model):
-    return DrafterEngine(device_draft_model)
+def small_pool(device: str) -> PoolConfig:
+    """A small KV pool for the tiny pair: captured CUDA graphs on CUDA, the same pool run eagerly on
+    the CPU (so the pooled cache's indexing and masks are tested here too)."""
+    return PoolConfig(slots=3, slot_tokens=48, query_buckets=(1, 2, 4, 8, 16), batch_buckets=(1, 2, 4),
+                      context_buckets=(16, 32), capture=device.startswith("cuda"))
+
+
+# The device tests' engines run twice: on eager growing caches (the CPU default, the --no-cuda-graphs
+# fallback) and on a KV pool with captured passes (the CUDA default).
+@pytest.fixture(params=["eager", "pooled"])
+def cache_kind(request) -> str:
+    return request.param
 
 
 @pytest.fixture
-def device_verifier(device_target_model):
-    return VerifierEngine(device_target_model)
+def device_drafter(device_draft_model, cache_kind):
+    pool = small_pool(device_under_test()) if cache_kind == "pooled" else None
+    return DrafterEngine(device_draft_model, kv_pool=pool)
+
+
+@pytest.fixture
+def device_verifier(device_target_model, cache_kind):
+    pool = small_pool(device_under_test()) if cache_kind == "pooled" else None
+    return VerifierEngine(device_target_model, kv_pool=pool)

@@ -25,7 +25,13 @@ from verifier_service.server import start_verifier_server
 pytestmark = pytest.mark.timeout(120)
 
 GOOD = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
-BOMB = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+# Each bomb can hit one limit only, whatever the CPU's speed: the time bomb loops 10^10 times and
+# emits nothing (its memory stays flat: no output accumulates), the memory bomb doubles a string 40
+# times (16 TB) within milliseconds. A bomb that emitted "x" per iteration hit the 512 MB cap before
+# a 3 s timeout on a fast CPU (an AMX Xeon) and the timeout first on a slower one (issue 41).
+TIME_BOMB = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+MEMORY_BOMB = ("{% set ns = namespace(s='xxxxxxxxxxxxxxxx') %}{% for i in range(40) %}"
+               "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}")
 CHAT = [ChatMessage("user", "t1 t2")]
 TIMEOUT_S = 1.0
 # A fresh child imports transformers (seconds on a busy machine); that wait is not the render's.
@@ -58,7 +64,7 @@ def test_a_nested_loop_is_stopped_at_the_timeout(engine) -> None:
     engine.apply_chat_template(CHAT, GOOD)  # a started child: what follows times the render alone
     started = time.monotonic()
     with pytest.raises(InvalidRequest, match=r"longer than 1 s .*--chat-template-timeout"):
-        engine.apply_chat_template(CHAT, BOMB)
+        engine.apply_chat_template(CHAT, TIME_BOMB)
     assert time.monotonic() - started < TIMEOUT_S + 2.0
     assert engine.apply_chat_template(CHAT, GOOD)  # the next render gets a fresh child
 
@@ -76,13 +82,23 @@ def test_a_template_error_is_an_invalid_argument_not_a_crash(engine) -> None:
 
 def test_memory_is_capped() -> None:
     renderer = ChatTemplateRenderer(TemplateLimits(timeout_s=20.0, max_memory_mb=64))
-    doubling = ("{% set ns = namespace(s='xxxxxxxxxxxxxxxx') %}{% for i in range(40) %}"
-                "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}")
     try:
         started = time.monotonic()
         with pytest.raises(InvalidRequest, match=r"64 MB of memory"):
-            renderer.render(doubling, [{"role": "user", "content": "hi"}], {})
+            renderer.render(MEMORY_BOMB, [{"role": "user", "content": "hi"}], {})
         assert time.monotonic() - started < START_S
+    finally:
+        renderer.close()
+
+
+def test_the_time_bomb_cannot_hit_the_memory_cap() -> None:
+    """How a faster CPU is simulated here: under the smallest memory cap (16 MB) the time bomb still
+    stops at its timeout, so its memory does not grow with the iterations a CPU gets through."""
+    renderer = ChatTemplateRenderer(TemplateLimits(timeout_s=TIMEOUT_S, max_memory_mb=16))
+    try:
+        renderer.render(GOOD, [{"role": "user", "content": "hi"}], {})  # a started child
+        with pytest.raises(InvalidRequest, match=r"--chat-template-timeout"):
+            renderer.render(TIME_BOMB, [{"role": "user", "content": "hi"}], {})
     finally:
         renderer.close()
 
@@ -96,17 +112,20 @@ def slow_engine(target_model):
 
 
 async def test_tokenize_is_served_while_two_bombs_render(slow_engine) -> None:
-    """The issue's measurement: two bombs in flight, Tokenize calls still answer at once, the bombs
-    get INVALID_ARGUMENT naming the limit, and the verifier serves templates again afterwards."""
+    """The issue's measurement: two bombs in flight (one for each limit), Tokenize calls still answer
+    at once, each bomb gets INVALID_ARGUMENT naming the limit that stopped it, and the verifier serves
+    templates again afterwards."""
     engine = slow_engine
     await asyncio.to_thread(engine.apply_chat_template, CHAT, GOOD)  # start the child first
     server, port = await start_verifier_server(engine)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = verifier_pb2_grpc.VerifierServiceStub(channel)
     try:
-        request = verifier_pb2.ChatTemplateRequest(chat_template=BOMB)
-        request.messages.add(role="user", content="t1 t2")
-        bombs = [asyncio.ensure_future(stub.ApplyChatTemplate(request, timeout=START_S)) for _ in range(2)]
+        bombs = {}
+        for limit, template in (("--chat-template-timeout", TIME_BOMB), ("MB of memory", MEMORY_BOMB)):
+            request = verifier_pb2.ChatTemplateRequest(chat_template=template)
+            request.messages.add(role="user", content="t1 t2")
+            bombs[limit] = asyncio.ensure_future(stub.ApplyChatTemplate(request, timeout=START_S))
         await asyncio.sleep(0.2)
         slowest = 0.0
         for _ in range(10):
@@ -116,11 +135,11 @@ async def test_tokenize_is_served_while_two_bombs_render(slow_engine) -> None:
             assert list(response.token_ids)
             await asyncio.sleep(0.05)
         assert slowest < 1.0, f"a Tokenize waited {slowest:.2f} s behind the template renders"
-        for bomb in bombs:
+        for limit, bomb in bombs.items():
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await bomb
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "--chat-template-timeout" in (caught.value.details() or "")
+            assert limit in (caught.value.details() or ""), (limit, caught.value.details())
         good = verifier_pb2.ChatTemplateRequest(chat_template=GOOD)
         good.messages.add(role="user", content="t1 t2")
         answer = await stub.ApplyChatTemplate(good, timeout=START_S)

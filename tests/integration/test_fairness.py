@@ -46,6 +46,7 @@ PASS_S = 0.004  # the least time of a forward pass
 SMALL_NEW = 8
 SMALL_CLIENTS = 3
 FACTOR, SLACK_S = 5.0, 2.0  # allowed: FACTOR × the small requests' latency alone + SLACK_S
+WAIT_S = 30.0  # bound of a wait for the orchestrator's state (never reached unless something is broken)
 
 
 def _slowed(path) -> LoadedModel:
@@ -61,8 +62,9 @@ def engines(tiny_models):
             VerifierEngine(_slowed(tiny_models.target), batching=batching))
 
 
-async def _serve(engines, **config) -> tuple[AsyncClient, Callable[[], Awaitable[None]]]:
-    """Drafter, verifier and orchestrator servers; returns a client and what stops them all."""
+async def _serve(engines, **config) -> tuple[AsyncClient, Orchestrator, Callable[[], Awaitable[None]]]:
+    """Drafter, verifier and orchestrator servers; returns a client, the orchestrator and what stops
+    them all."""
     drafter_server, dport = await start_drafter_server(engines[0])
     verifier_server, vport = await start_verifier_server(engines[1])
     orch = Orchestrator(GrpcDrafterClient(f"127.0.0.1:{dport}"), GrpcVerifierClient(f"127.0.0.1:{vport}"),
@@ -77,7 +79,7 @@ async def _serve(engines, **config) -> tuple[AsyncClient, Callable[[], Awaitable
         await stop_server(drafter_server, 1.0)
         await stop_server(verifier_server, 1.0)
 
-    return client, close
+    return client, orch, close
 
 
 def _small(i: int) -> GenerationRequest:
@@ -103,10 +105,23 @@ async def _small_latency(client: AsyncClient, round_: int) -> float:
     return max(latencies)
 
 
-async def _with_big(client: AsyncClient) -> tuple[float, float]:
+async def _running(orch: Orchestrator, count: int, what: str) -> None:
+    """Wait (bounded) until `count` requests hold the orchestrator's slots."""
+    deadline = time.monotonic() + WAIT_S
+    while orch.admission_stats()["active"] != count:
+        assert time.monotonic() < deadline, f"not within {WAIT_S:g} s: {what} ({orch.admission_stats()})"
+        await asyncio.sleep(0.01)
+
+
+async def _with_big(client: AsyncClient, orch: Orchestrator) -> tuple[float, float]:
     """(the slowest small request, the big one) when the small ones come just after the big one."""
+    await _running(orch, 0, "the earlier small requests ended")
+    began = time.monotonic()
     big = asyncio.create_task(_timed(client, _big()))
-    await asyncio.sleep(0.05)  # the big request is in its prefill, or past it
+    # The big request holds its slot (it is in its prefill, or past it) before the small ones come,
+    # however long its trip through gRPC takes on this machine; and no sooner than 50 ms after it left.
+    await _running(orch, 1, "the big request admitted")
+    await asyncio.sleep(max(0.0, 0.05 - (time.monotonic() - began)))
     small = await _small_latency(client, 5)
     return small, await big
 
@@ -117,10 +132,10 @@ async def _alone(client: AsyncClient) -> float:
 
 
 async def test_a_huge_request_does_not_stall_small_ones(engines):
-    client, close = await _serve(engines)
+    client, orch, close = await _serve(engines)
     try:
         alone = await _alone(client)
-        small, big = await _with_big(client)
+        small, big = await _with_big(client, orch)
     finally:
         await close()
     seen = f"small {small:.2f} s beside the big one ({big:.1f} s), alone {alone:.2f} s"
@@ -130,10 +145,10 @@ async def test_a_huge_request_does_not_stall_small_ones(engines):
 async def test_the_bound_fails_when_one_request_holds_the_engines(engines):
     """The same load on an orchestrator that runs one request at a time: the small requests wait for the
     whole big one, far past the bound (the check above can fail)."""
-    client, close = await _serve(engines, max_active_requests=1, queue_timeout_s=120.0)
+    client, orch, close = await _serve(engines, max_active_requests=1, queue_timeout_s=120.0)
     try:
         alone = await _alone(client)
-        small, big = await _with_big(client)
+        small, big = await _with_big(client, orch)
     finally:
         await close()
     seen = f"monopoly: small {small:.2f} s beside the big one ({big:.1f} s), alone {alone:.2f} s"

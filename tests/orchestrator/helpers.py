@@ -105,6 +105,9 @@ class FlakyDrafter:
         self._maybe_down()
         return await self.inner.lookahead(request)
 
+    async def draft_rows(self, request):  # a lean draft's rows: not a drafting call
+        return await self.inner.draft_rows(request)
+
     async def release(self, session_id):
         await self.inner.release(session_id)
 

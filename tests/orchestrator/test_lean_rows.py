@@ -10,7 +10,7 @@ from orchestrator.config import DRAFT_ROWS_MODES, OrchestratorConfig
 from orchestrator.sessions import RunSessions
 from orchestrator.timeline import Timeline
 from specdec.cli.options import DRAFT_ROWS_CHOICES
-from specdec.engine.api import DraftRequest, VerifyOutcome, VerifyRequest
+from specdec.engine.api import DraftRequest, DraftRowsRequest, VerifyOutcome, VerifyRequest
 from specdec.generation import GenerationRequest
 from specdec.sampling import SamplingParams
 from specdec.trees import DraftTree
@@ -142,3 +142,94 @@ async def test_the_config_setting_reaches_the_sessions(engines, make_orchestrato
     orchestrator.verifier = verifier
     await orchestrator.generate(GenerationRequest(prompt_ids=PROMPT, max_new_tokens=6, seed=0, k=2))
     assert verifier.requests and not any(r.lean for r in verifier.requests)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows parked at the drafter (DraftRequest.lean_rows): only q(x̃) crosses; rows come on demand.
+
+
+class RowsRecording:
+    """The in-process drafter client, counting the DraftRows calls it serves."""
+
+    def __init__(self, engine) -> None:
+        from orchestrator.clients.inprocess import InProcessDrafterClient
+
+        self.inner = InProcessDrafterClient(engine)
+        self.fetched: list[list[int]] = []
+
+    async def draft_rows(self, request):
+        self.fetched.append(list(request.rows))
+        return await self.inner.draft_rows(request)
+
+
+def test_a_lean_draft_parks_the_rows_a_full_draft_sends(engines):
+    from specdec.errors import InvalidRequest, SessionGone
+
+    engine = engines["draft"]
+    full = engine.draft(DraftRequest("parked-a", 0, PROMPT, [-1, 0, 1], T1, 5, want_distributions=True))
+    lean = engine.draft(DraftRequest("parked-b", 0, PROMPT, [-1, 0, 1], T1, 5, want_distributions=True,
+                                     lean_rows=True))
+    tree = DraftTree(tuple(full.tokens), tuple(full.parents))
+    assert (lean.tokens, lean.parents, lean.draft_probs) == (full.tokens, full.parents, None)
+    assert lean.rows_id > 0 and lean.token_probs == token_probs(tree, full.draft_probs)  # bit for bit
+    rows = engine.draft_rows(DraftRowsRequest("parked-b", lean.rows_id, [3, 0]))
+    assert rows.equal(full.draft_probs[[3, 0]])
+    with pytest.raises(InvalidRequest, match="outside the draft's rows"):
+        engine.draft_rows(DraftRowsRequest("parked-b", lean.rows_id, [4]))
+    again = engine.draft(DraftRequest("parked-b", 0, PROMPT, [-1], T1, 6, want_distributions=True,
+                                      lean_rows=True))
+    with pytest.raises(SessionGone, match="holds no draft rows"):  # a later lean draft replaced them
+        engine.draft_rows(DraftRowsRequest("parked-b", lean.rows_id, [0]))
+    engine.release("parked-b")
+    with pytest.raises(SessionGone):
+        engine.draft_rows(DraftRowsRequest("parked-b", again.rows_id, [0]))
+
+
+async def test_a_parked_draft_verifies_as_its_full_rows_do_and_fetches_only_rejected_rows(engines):
+    from orchestrator.sessions import ParkedRows
+
+    fetched_any = 0
+    for seed in range(8):
+        engine = engines["draft"]
+        session = f"parked-{seed}"
+        result = engine.draft(DraftRequest(session, 0, PROMPT, [-1, 0, 1], T1, seed, want_distributions=True,
+                                           lean_rows=True))
+        tree = DraftTree(tuple(result.tokens), tuple(result.parents))
+        full_rows = engine.draft_rows(DraftRowsRequest(session, result.rows_id, [0, 1, 2, 3]))
+        params = MethodParams(seed=seed)
+        full, _, _ = await verify(engines, "full", tree, full_rows, "token", params, seed)
+        verifier = Recording(engines["verifier"])
+        run = make_run(PROMPT, seed=seed, method="token")
+        drafter = RowsRecording(engine)
+        sessions = RunSessions(run, drafter, verifier, draft_rows="lean")
+        parked = ParkedRows(list(result.token_probs), len(tree) + 1, session, result.rows_id)
+        outcome = await sessions.verify(list(PROMPT), tree, method="token", params=params, draft_probs=parked,
+                                        timeline=Timeline())
+        assert (outcome.tokens, outcome.accepted_nodes) == (full.tokens, full.accepted_nodes)
+        rejected = len(full.accepted_nodes) < len(tree)
+        assert drafter.fetched == ([[len(full.accepted_nodes)]] if rejected else [])
+        fetched_any += rejected
+        await verifier.release(run.session_id)
+    assert fetched_any >= 2
+
+
+async def test_rows_lost_before_the_verify_decides_fail_the_request_clearly(engines):
+    from orchestrator.sessions import ParkedRows
+    from specdec.errors import PeerUnavailable
+
+    engine = engines["draft"]
+    for seed in range(20):  # a seed whose draft is rejected, so the rule needs a row
+        result = engine.draft(DraftRequest("lost", 0, PROMPT, [-1, 0, 1], T1, seed, want_distributions=True,
+                                           lean_rows=True))
+        tree = DraftTree(tuple(result.tokens), tuple(result.parents))
+        engine.release("lost")  # the drafter forgets the rows (a restart)
+        run = make_run(PROMPT, seed=seed, method="token")
+        sessions = RunSessions(run, RowsRecording(engine), Recording(engines["verifier"]), draft_rows="lean")
+        parked = ParkedRows(list(result.token_probs), len(tree) + 1, "lost", result.rows_id)
+        try:
+            await sessions.verify(list(PROMPT), tree, method="token", params=MethodParams(seed=seed),
+                                  draft_probs=parked, timeline=Timeline())
+        except PeerUnavailable as exc:
+            assert "lost the rows of a lean draft" in str(exc)
+            return
+    pytest.fail("no seed's draft was rejected")

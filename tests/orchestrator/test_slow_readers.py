@@ -159,12 +159,17 @@ async def test_a_reader_cancelled_twice_still_frees_everything(make_orchestrator
     stream = orch.generate_stream(_request(seed=1, n=LONG))
     await anext(stream)
 
+    reading = asyncio.Event()
+
     async def read() -> None:
+        reading.set()
         async for _ in stream:  # reads at once: it waits for the run's next chunk
             pass
 
     reader = asyncio.create_task(read())
-    await asyncio.sleep(0.05)
+    # The reader is waiting in the stream (it suspends there before this wakes), and the run is far
+    # from its end whatever the machine's speed (a fixed sleep here let a fast one finish the stream).
+    await asyncio.wait_for(reading.wait(), WAIT_S)
     reader.cancel()
     await asyncio.sleep(0)  # the stream is closing: its run's clean-up has started
     reader.cancel()

@@ -107,9 +107,11 @@ async def test_a_stream_generates_through_a_hang_and_saves_when_redis_is_back(ma
         with redis.paused():
             stopped = time.monotonic()
             task = asyncio.create_task(rest())
-            await asyncio.sleep(HANG_S)
+            # HANG_S at least, and until the run has made 3 iterations in the hang (each waits for a
+            # store timeout: a slow machine may need longer than HANG_S for them)
+            await _hang_until(lambda: sum(t > stopped for t in iterations) >= 3, stopped,
+                              "the run stalled while Redis hung: fewer than 3 iterations")
             assert not arrivals, "a chunk went out although its progress was not saved"
-            assert sum(t > stopped for t in iterations) >= 3, "the run stalled while Redis hung"
         result = await asyncio.wait_for(task, 60)
         assert received == reference.token_ids and result.token_ids == reference.token_ids
         record = await orch.store.get_request("through")
@@ -122,15 +124,24 @@ async def test_a_run_that_ends_during_a_hang_sends_its_result_once_it_is_saved(m
     """The final chunk never goes out before the record is saved done: a run that finishes while
     Redis hangs waits (trying the save again) and sends its result once Redis answers."""
     iterations: list[float] = []
-    orch = make_orchestrator(on_iteration=lambda _: iterations.append(time.monotonic()),
-                             **_settings(redis, store_outage_grace_s=30.0))
+    emitted: dict[str, int] = {}  # new tokens per request id, as its iterations report them
+
+    def on_iteration(record) -> None:
+        iterations.append(time.monotonic())
+        emitted[record.request_id] = emitted.get(record.request_id, 0) + len(record.emitted)
+
+    orch = make_orchestrator(on_iteration=on_iteration, **_settings(redis, store_outage_grace_s=30.0))
     try:
         reference = await orch.generate(_request("reference", n=8))
         stream = orch.generate_stream(_request("ends", n=8))
         received = list((await stream.__anext__()).token_ids)
         with redis.paused():
+            stopped = time.monotonic()
             task = asyncio.create_task(_drain(stream))
-            await asyncio.sleep(HANG_S)  # ample for the few iterations left, each slowed by one timeout
+            # HANG_S at least, and until the run's last iteration is done (the few left are each slowed
+            # by a store timeout: a slow machine may need longer than HANG_S for them)
+            await _hang_until(lambda: emitted.get("ends", 0) >= 8, stopped,
+                              "the run did not end during the hang")
             assert not task.done(), "the result went out before it was saved"
             woke = time.monotonic()
         chunks = await asyncio.wait_for(task, 30)
@@ -208,6 +219,15 @@ def test_the_store_bounds_are_options_with_the_configs_defaults(path):
 
 async def _drain(stream) -> list:
     return [chunk async for chunk in stream]
+
+
+async def _hang_until(condition, since: float, what: str, wait_s: float = 30.0) -> None:
+    """Keep Redis hung (the caller's block) for HANG_S since `since` at least, and until `condition`
+    holds: bounded by `wait_s`, then AssertionError(`what`)."""
+    deadline = since + wait_s
+    while time.monotonic() - since < HANG_S or not condition():
+        assert time.monotonic() < deadline, f"{what} (within {wait_s:g} s)"
+        await asyncio.sleep(0.05)
 
 
 async def _resume(orch, request_id: str, wait_s: float = 15.0) -> list:

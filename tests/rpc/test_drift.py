@@ -63,7 +63,7 @@ def test_services_and_rpcs() -> None:
         return {m.name: (m.client_streaming, m.server_streaming) for m in service.methods}
 
     assert rpcs(drafter_pb2, "DrafterService") == {
-        n: (False, False) for n in ("Info", "Draft", "Lookahead", "Release")
+        n: (False, False) for n in ("Info", "Draft", "Lookahead", "DraftRows", "Release")
     }
     assert rpcs(verifier_pb2, "VerifierService") == {
         n: (False, False)

@@ -20,6 +20,7 @@ GARBAGE = b"\xff\xff\xff\xff garbage"
 CASES = [  # (server, method path, response streaming)
     ("drafter", "/specdec.v1.DrafterService/Draft", False),
     ("drafter", "/specdec.v1.DrafterService/Lookahead", False),
+    ("drafter", "/specdec.v1.DrafterService/DraftRows", False),
     ("drafter", "/specdec.v1.DrafterService/Release", False),
     ("verifier", "/specdec.v1.VerifierService/Tokenize", False),
     ("verifier", "/specdec.v1.VerifierService/Verify", False),

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "shape_parents", "sampling", "seed", "strategy", "want_distributions", "include_leaf_rows")
+    __slots__ = ("session_id", "base_len", "append", "shape_parents", "sampling", "seed", "strategy", "want_distributions", "include_leaf_rows", "lean_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class DraftRequest(_message.Message):
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     WANT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_LEAF_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LEAN_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -29,21 +30,36 @@ class DraftRequest(_message.Message):
     strategy: str
     want_distributions: bool
     include_leaf_rows: bool
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., shape_parents: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., want_distributions: _Optional[bool] = ..., include_leaf_rows: _Optional[bool] = ...) -> None: ...
+    lean_rows: bool
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., shape_parents: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., want_distributions: _Optional[bool] = ..., include_leaf_rows: _Optional[bool] = ..., lean_rows: _Optional[bool] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("tokens", "parents", "draft_probs", "forward_seconds", "reused_tokens")
+    __slots__ = ("tokens", "parents", "draft_probs", "forward_seconds", "reused_tokens", "token_probs", "rows_id")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_ID_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _common_pb2.Tensor
     forward_seconds: float
     reused_tokens: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
+    token_probs: _containers.RepeatedScalarFieldContainer[float]
+    rows_id: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., token_probs: _Optional[_Iterable[float]] = ..., rows_id: _Optional[int] = ...) -> None: ...
+
+class DraftRowsRequest(_message.Message):
+    __slots__ = ("session_id", "rows_id", "rows")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    rows_id: int
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., rows_id: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookaheadRequest(_message.Message):
     __slots__ = ("session_id", "base_len", "append", "k", "sampling", "seed", "strategy", "want_distributions", "bonus_guesses", "rejection_guesses")

@@ -51,6 +51,11 @@ class DrafterServiceStub:
                 request_serializer=specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_drafter__pb2.LookaheadResult.FromString,
                 _registered_method=True)
+        self.DraftRows = channel.unary_unary(
+                '/specdec.v1.DrafterService/DraftRows',
+                request_serializer=specdec_dot_v1_dot_drafter__pb2.DraftRowsRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_common__pb2.Tensor.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.DrafterService/Release',
                 request_serializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -86,6 +91,15 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftRows(self, request, context):
+        """Rows of a lean draft (DraftRequest.lean_rows), parked at the drafter, for a verify whose rule
+        reached a rejection. Errors: INVALID_ARGUMENT (row outside the draft), FAILED_PRECONDITION
+        (the session's rows are gone: released, evicted, or replaced by a later lean draft).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drop a session's tokens and KV cache.
         """
@@ -110,6 +124,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Lookahead,
                     request_deserializer=specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_drafter__pb2.LookaheadResult.SerializeToString,
+            ),
+            'DraftRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.DraftRows,
+                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftRowsRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_common__pb2.Tensor.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -199,6 +218,33 @@ class DrafterService:
             '/specdec.v1.DrafterService/Lookahead',
             specdec_dot_v1_dot_drafter__pb2.LookaheadRequest.SerializeToString,
             specdec_dot_v1_dot_drafter__pb2.LookaheadResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DrafterService/DraftRows',
+            specdec_dot_v1_dot_drafter__pb2.DraftRowsRequest.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.Tensor.FromString,
             options,
             channel_credentials,
             insecure,
