@@ -62,15 +62,17 @@ def time_model(name: str, args: StepArgs, dtype: str, repeats: int) -> dict:
     def tokens(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=generator).tolist()
 
+    def pass_times(kv) -> dict[int, float]:  # T(n) of one session's chain passes after the prompt
+        kv.prefill(prompt)
+        blocks = {n: tokens(n) for n in pass_sizes}
+        return {n: median_seconds(lambda b=block: kv.extend(b, sequence_parents(len(b))), args.device,
+                                  repeats, warmup=2, after=lambda: kv.truncate(context))
+                for n, block in blocks.items()}
+
     prompt = tokens(context)
-    out: dict = {"eager": {}, "captured": {}, "rows": {}}
+    out: dict = {"rows": {}}
     eager = TreeKVCache(model)
-    eager.prefill(prompt)
-    for n in pass_sizes:
-        block = tokens(n)
-        out["eager"][n] = median_seconds(lambda b=block, kv=eager: kv.extend(b, sequence_parents(len(b))),
-                                         args.device, repeats, warmup=2,
-                                         after=lambda kv=eager: kv.truncate(context))
+    out["eager"] = pass_times(eager)
 
     pool = KVPool(model, pool_config(args, context, max(pass_sizes)))
     report = pool.capture()
@@ -78,12 +80,7 @@ def time_model(name: str, args: StepArgs, dtype: str, repeats: int) -> dict:
                       "graph_mib": round(report.graph_bytes / 2**20, 1),
                       "pool_mib": round(report.pool_bytes / 2**20, 1)}
     pooled = pool.new_cache()
-    pooled.prefill(prompt)
-    for n in pass_sizes:
-        block = tokens(n)
-        out["captured"][n] = median_seconds(lambda b=block, kv=pooled: kv.extend(b, sequence_parents(len(b))),
-                                            args.device, repeats, warmup=2,
-                                            after=lambda kv=pooled: kv.truncate(context))
+    out["captured"] = pass_times(pooled)
     out["passes"] = dict(pool.passes)
 
     # Rows: padded captured passes against the unpadded eager pass (3 and 8 new tokens).

@@ -234,7 +234,9 @@ class KVPool:
             with torch.no_grad():
                 logits = self._forward(inputs, kv)
             self.passes["eager"] += 1
-        return [logits[i, r.rows_from:len(r.tokens)].float() for i, r in enumerate(rows)]
+        # Copies: a captured pass's logits live in one buffer the next replay overwrites (at float32,
+        # .float() alone would hand out a view of it), and callers keep rows across passes.
+        return [logits[i, r.rows_from:len(r.tokens)].to(torch.float32, copy=True) for i, r in enumerate(rows)]
 
     def _inputs(self, rows: Sequence[PoolRow], b: int, q: int, kv: int) -> dict[str, torch.Tensor]:
         """The pass's input tensors (built on the host, moved in one go)."""
