@@ -22,7 +22,8 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
     "Models and placement": (
         "--model", "--draft", "--target", "--device", "--drafter-device", "--verifier-device", "--dtype",
         "--threads", "--drafter-threads", "--verifier-threads", "--cores", "--drafter-cores",
-        "--verifier-cores", "--no-pin", "--threads-beside-drafter", "--verifier-shares-cores"),
+        "--verifier-cores", "--no-pin", "--threads-beside-drafter", "--verifier-shares-cores",
+        "--cuda-graphs", "--kv-slots", "--kv-slot-tokens"),
     "Prompt and output": ("--prompt", "--prompt-ids", "--chat", "--system", "--json", "--stream",
                           "--num-samples"),
     "Sampling": ("--temperature", "--top-k", "--top-p", "--seed", "--max-new-tokens", "--stop",
