@@ -22,7 +22,7 @@ from specdec.defaults import (
 from specdec.engine.api import MAX_LOOKAHEAD_K, MAX_TREE_NODES
 from specdec.methods import METHOD_NAMES
 
-DraftRowsMode = Literal["lean", "full"]
+DraftRowsMode = Literal["lean", "parked", "full"]
 DRAFT_ROWS_MODES: tuple[str, ...] = get_args(DraftRowsMode)
 
 
@@ -170,7 +170,11 @@ class OrchestratorConfig(BaseSettings):
     # reads whole rows only on a rejection (token, rd, gsd-tree; the registry's `lean_rows`), each
     # node's q(x̃) alone, and a row only when the verifier asks for it (one more round trip on a
     # rejection) — instead of k + 1 rows of V float32 every iteration. Same tokens for a seeded
-    # request either way. "full": every row, every time.
+    # request either way. "parked": lean, and the drafter keeps the rows too (it sends q(x̃) alone and
+    # the orchestrator fetches a row from it on a rejection): no rows cross the network at all on an
+    # iteration without one, but a drafter restart between a draft and its verify's rejection fails
+    # that request (the rows are gone and the rule cannot be redone without them). "full": every
+    # row, every time.
     draft_rows: DraftRowsMode = "lean"
 
     # Faults and health (docs/reliability.md, "Faults and health"). The health monitor of a served

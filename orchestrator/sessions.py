@@ -14,9 +14,10 @@ Lean draft rows (docs/algorithms.md §12): in "lean" mode a verify of a method w
 sends each node's q(x̃) and the rows known to be read (`rows_up_front`) instead of all rows; when
 the verifier answers draft_rows_needed (it then holds `committed` and nothing more), the same
 verify is resent with those rows added, as a call of its own on the timeline ("verify-rows").
-A fresh draft asked with `park_rows` goes lean on the drafter's side too: the drafter sends the
-q(x̃) and keeps its rows (`ParkedRows`); a verify fetches the rows it needs from there
-("draft-rows"), so no [n + 1, V] block crosses the wire unless a rule reads it.
+In "parked" mode a fresh draft asked with `park_rows` goes lean on the drafter's side too: the
+drafter sends the q(x̃) and keeps its rows (`ParkedRows`); a verify fetches the rows it needs from
+there (a call of the verify on the timeline, op "draft-rows"), so no [n + 1, V] block crosses the
+wire unless a rule reads it.
 
 Faults (orchestrator.failover, orchestrator.health), through the run's `watch` (the orchestrator):
 each drafter call has a deadline and is cancelled past it (DrafterSlow); the drafter session it was
@@ -184,8 +185,8 @@ class SessionMirror:
 class RunSessions:
     """One run's calls to its drafter and verifier sessions: mirrored, timed on the iteration's
     timeline, a lost drafter raised as DrafterDown. How the drafter drafts (strategy, whether it
-    returns its rows) and how the rows reach the verifier (`draft_rows`: "lean" | "full", the
-    config's setting) follow from the run's method record, here and nowhere else."""
+    returns its rows) and how the rows reach the verifier (`draft_rows`: "lean" | "parked" | "full",
+    the config's setting) follow from the run's method record, here and nowhere else."""
 
     def __init__(
         self, run: Run, drafter: DrafterClient | None, verifier: VerifierClient, *,
@@ -229,7 +230,7 @@ class RunSessions:
         """Draft a tree of `shape` (parent indices) after `context`. `park_rows`: in lean mode, for a
         method whose rows go lean, the drafter keeps its rows and answers token_probs (see `parked`)."""
         drafter, run = self._drafter(), self.run.settings
-        lean_rows = park_rows and self.lean_drafts and self.draft_rows == "lean"
+        lean_rows = park_rows and self.lean_drafts and self.draft_rows == "parked"
 
         def call(base: int, append: list[int]) -> Awaitable[DraftResult]:
             return self._deadlined(drafter.draft(DraftRequest(
@@ -254,7 +255,8 @@ class RunSessions:
         request = DraftRowsRequest(session_id=parked.session_id, rows_id=parked.rows_id, rows=rows)
         try:
             async with asyncio.timeout(DRAFT_ROWS_TIMEOUT_S):
-                values = await timeline.timed("draft", self.drafter.draft_rows(request), "draft-rows")
+                # A step of the verify (it waits on it), though the drafter answers: op "draft-rows".
+                values = await timeline.timed("verify", self.drafter.draft_rows(request), "draft-rows")
         except (TimeoutError, SessionGone, PeerUnavailable) as exc:
             raise PeerUnavailable(f"the drafter lost the rows of a lean draft before its verify decided "
                                   f"({type(exc).__name__}: {exc}); the request fails") from exc
@@ -399,7 +401,7 @@ class RunSessions:
         spec = get_method(method)
         parked = draft_probs if isinstance(draft_probs, ParkedRows) else None
         lean = parked is not None or (
-            draft_probs is not None and self.draft_rows == "lean" and spec.lean_rows)
+            draft_probs is not None and self.draft_rows in ("lean", "parked") and spec.lean_rows)
         if parked is not None:
             probs = parked.token_probs
         else:

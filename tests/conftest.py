@@ -7,7 +7,12 @@ Tests marked `device` load their models on SPECDEC_TEST_DEVICE (tests.helpers.de
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +47,91 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"test device: {device_under_test()} (${TEST_DEVICE_VARIABLE}; tests marked `device`)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiers. `python -m pytest` runs every test (the README's command; CI runs it). The quick tier,
+# `python -m pytest -m "not slow"`, leaves out every test that starts a process: a test is slow when
+# it is marked so, or when its module or a tests/ module it imports names a way to start one
+# (PROCESS_STARTERS), or it uses a fixture that starts one (PROCESS_FIXTURES). In the quick tier a
+# test that starts a process all the same fails, naming itself: a new slow test cannot slip in.
+
+PROCESS_STARTERS = re.compile(r"subprocess\.(?:run|Popen|check_output|check_call|call)\(|\bPopen\(|"
+                              r"create_subprocess_(?:exec|shell)|multiprocessing|\bSupervisor\(|"
+                              r"apply_chat_template\(\w+, \w+|ChatTemplateRenderer\(|ApplyChatTemplate|"
+                              r"run_cli\(|UpProcess|start_new_session")
+PROCESS_FIXTURES = frozenset({"redis_url"})  # session fixtures: started before the guard below
+_LOCAL_IMPORT = re.compile(r"^\s*from (tests(?:\.\w+)*|\.\w*) import", re.MULTILINE)
+TESTS_ROOT = Path(__file__).resolve().parent
+
+
+def _source(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def helpers_start_processes(path: Path, depth: int = 2) -> bool:
+    """Whether a tests/ module that the module at `path` imports (to `depth`) can start a process."""
+    for name in _LOCAL_IMPORT.findall(_source(path)):
+        if name.startswith("."):
+            base = path.parent / Path(*name.lstrip(".").split(".")) if name.strip(".") else path.parent
+        else:
+            base = TESTS_ROOT.parent / Path(*name.split("."))
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file() and candidate != path and (
+                    PROCESS_STARTERS.search(_source(candidate))
+                    or (depth > 1 and helpers_start_processes(candidate, depth - 1))):
+                return True
+    return False
+
+
+def starts_processes(item: pytest.Item) -> bool:
+    """Whether a test can start a process: through a tests/ module its module imports, its own code,
+    or a fixture it uses (their source), or a fixture known to (PROCESS_FIXTURES)."""
+    if helpers_start_processes(Path(str(item.path))):
+        return True
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if PROCESS_FIXTURES & fixtures:
+        return True
+    functions = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for definitions in (info.name2fixturedefs.values() if info is not None else ()):
+        functions += [definition.func for definition in definitions]
+    for function in functions:
+        try:
+            code = inspect.getsource(function) if function is not None else ""
+        except (OSError, TypeError):
+            code = ""
+        if PROCESS_STARTERS.search(code):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") is None and starts_processes(item):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _quick_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """In a run that deselects slow tests, a test starting a process fails (see the tiers above)."""
+    if "not slow" not in (request.config.option.markexpr or "") or request.node.get_closest_marker("slow"):
+        yield
+        return
+    started: list[str] = []
+    original = subprocess.Popen.__init__
+
+    def recording(self, args, *rest, **kwargs):
+        started.append(str(args)[:120])
+        original(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording)
+    yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} started a process ({started[0]}) but is not marked slow: "
+                    "the quick tier starts none. Mark it slow (pytest.mark.slow), or name what it "
+                    "uses in tests/conftest.py's PROCESS_STARTERS / PROCESS_FIXTURES.", pytrace=False)

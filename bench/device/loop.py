@@ -5,7 +5,8 @@ weights, captured passes, the real gRPC servers on 127.0.0.1); this process runs
 orchestrator's loop through its gRPC clients, one request at a time, T = 1:
 
 - target-only decoding (`autoregressive`) through the same verifier: the fair baseline;
-- `token` with k = 2, 4, 8 (drafts from the draft model, rows parked at the drafter: lean).
+- `token` with k = 2, 4, 8 (drafts from the draft model, `draft_rows` "parked": the rows stay at
+  the drafter).
 
 Pairs (SPECDEC_LOOP_PAIRS, default both):
 - "random": the 0.5B shape → the 7B shape (the draft's vocabulary padded to the target's, as
@@ -82,7 +83,8 @@ async def measure(addresses: tuple[str, str], vocab: int, args: StepArgs) -> lis
     records: list = []
     orchestrator = Orchestrator(GrpcDrafterClient(addresses[0], timeout_s=120),
                                 GrpcVerifierClient(addresses[1], timeout_s=120),
-                                OrchestratorConfig(draft_source="model"), on_iteration=records.append)
+                                OrchestratorConfig(draft_source="model", draft_rows="parked"),
+                                on_iteration=records.append)
     generator = __import__("random").Random(5)
     new_tokens = TINY_NEW_TOKENS if args.tiny else NEW_TOKENS
     requests = TINY_REQUESTS if args.tiny else REQUESTS
@@ -207,10 +209,10 @@ def step(args: StepArgs) -> StepResult:
     markdown = "\n".join([
         f"Pairs ({described}), random weights, T = 1, {PROMPT_LEN}-token prompts; drafter and verifier in "
         "separate processes on one GPU, captured passes, the orchestrator's loop over gRPC on 127.0.0.1 in "
-        "this process, drafts' rows parked at the drafter (lean); median of the requests' tok/s. α per token "
-        "from the accepted drafts per iteration; T_p from step captured (the target shape, when it ran); T_q "
-        "from step captured for the random pair, the Draft call's time / k (hop included) for the self "
-        "pair.", "",
+        "this process, draft rows parked at the drafter (`draft_rows` parked); median of the requests' "
+        "tok/s. α per token from the accepted drafts per iteration; T_p from step captured (the target "
+        "shape, when it ran); T_q from step captured for the random pair, the Draft call's time / k (hop "
+        "included) for the self pair.", "",
         table(["pair", "method", "k", "tok/s", "α", "tok/iter", "iteration ms", "loop overhead ms", "speedup",
                "projection §7"], table_rows)])
     return StepResult(markdown, {"rows": all_rows}, findings)

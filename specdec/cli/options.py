@@ -112,14 +112,17 @@ CoresOpt = Annotated[str | None, typer.Option(
     "Default: no pinning.", show_default=False)]
 MaxMessageOpt = Annotated[float, typer.Option("--max-message-mb", help="gRPC message size limit (MB).")]
 # orchestrator.config.DraftRowsMode, spelled out: the CLI starts without pydantic (a test checks they agree).
-DRAFT_ROWS_CHOICES = ("lean", "full")
+DRAFT_ROWS_CHOICES = ("lean", "parked", "full")
 DraftRowsOpt = Annotated[str | None, typer.Option(
     "--draft-rows", callback=one_of(DRAFT_ROWS_CHOICES), help=(
         "How the orchestrator sends the drafter's distributions to the verifier (docs/algorithms.md "
-        "§12): lean | full. lean: for token, rd and gsd-tree, each draft token's probability only, and "
-        "a whole row of V floats only where the verifier asks for it after a rejection (one more round "
-        "trip then); full: every row (k + 1 rows of V float32) with every verify. The output is the "
-        "same either way. Default: $SPECDEC_DRAFT_ROWS, else lean."), show_default=False)]
+        "§12): lean | parked | full. lean: for token, rd and gsd-tree, each draft token's probability "
+        "only, and a whole row of V floats only where the verifier asks for it after a rejection (one "
+        "more round trip then); parked: lean, and the drafter keeps its rows too, sending them only when "
+        "asked (fastest across hosts and GPUs; a drafter restart between a draft and its verify's "
+        "rejection fails that request); full: every row (k + 1 rows of V float32) with every verify. "
+        "The output is the same either way. Default: $SPECDEC_DRAFT_ROWS, else lean."),
+    show_default=False)]
 AdaptiveKOpt = Annotated[bool | None, typer.Option(
     "--adaptive-k/--fixed-k", help=(
         "Draft length of requests that name neither k nor a seed: picked online from this pair's "

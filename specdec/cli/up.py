@@ -273,6 +273,12 @@ def up(
         beside_drafter = verifier_threads or len(v_cores)
         v_cores = sorted(set(v_cores) | set(d_cores))
         verifier_threads = len(v_cores)
+    # Ports first: a busy port is found in milliseconds, before models are looked up (or converted).
+    ports = [("--port", port), ("--verifier-port", verifier_port)]
+    if not no_drafter:
+        ports.insert(1, ("--drafter-port", drafter_port))
+    for option, value in ports + ([] if no_http else [("--http-port", http_port)]):
+        check_port_free(host, value, option)
     try:
         draft_path = None if no_drafter else resolve_model(draft, "draft")
         target_path = resolve_model(target, "target")
@@ -280,11 +286,6 @@ def up(
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
         raise fail("interrupted", 130) from None
-    ports = [("--port", port), ("--verifier-port", verifier_port)]
-    if not no_drafter:
-        ports.insert(1, ("--drafter-port", drafter_port))
-    for option, value in ports + ([] if no_http else [("--http-port", http_port)]):
-        check_port_free(host, value, option)
 
     if no_drafter:
         err.print(precision_line(dtype, verifier=verifier_device))
