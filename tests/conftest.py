@@ -7,6 +7,7 @@ Tests marked `device` load their models on SPECDEC_TEST_DEVICE (tests.helpers.de
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import os
@@ -57,7 +58,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 # test that starts a process all the same fails, naming itself: a new slow test cannot slip in.
 
 PROCESS_STARTERS = re.compile(r"subprocess\.(?:run|Popen|check_output|check_call|call)\(|\bPopen\(|"
-                              r"create_subprocess_(?:exec|shell)|multiprocessing|\bSupervisor\(|"
+                              r"\brun_dry\(|create_subprocess_(?:exec|shell)|multiprocessing|\bSupervisor\(|"
                               r"apply_chat_template\(\w+, \w+|ChatTemplateRenderer\(|ApplyChatTemplate|"
                               r"run_cli\(|UpProcess|start_new_session")
 PROCESS_FIXTURES = frozenset({"redis_url"})  # session fixtures: started before the guard below
@@ -88,10 +89,32 @@ def helpers_start_processes(path: Path, depth: int = 2) -> bool:
     return False
 
 
+@functools.cache
+def module_helpers_start_processes(path: Path) -> bool:
+    """Whether a top-level function or class of a test module other than its tests and fixtures (a
+    helper the tests call) can start a process."""
+    source = _source(path)
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name.startswith(("test_", "Test")) or any(
+                    "fixture" in ast.unparse(decorator) for decorator in getattr(node, "decorator_list", ())):
+                continue
+            if PROCESS_STARTERS.search(ast.get_source_segment(source, node) or ""):
+                return True
+    return False
+
+
 def starts_processes(item: pytest.Item) -> bool:
-    """Whether a test can start a process: through a tests/ module its module imports, its own code,
-    or a fixture it uses (their source), or a fixture known to (PROCESS_FIXTURES)."""
-    if helpers_start_processes(Path(str(item.path))):
+    """Whether a test can start a process: through a tests/ module its module imports, a helper of
+    its module, its own code or a fixture it uses (their source), or a fixture known to
+    (PROCESS_FIXTURES). Processes started inside product code are not seen here: the quick tier's
+    guard below names such a test, and it is marked slow where it is written."""
+    path = Path(str(item.path))
+    if helpers_start_processes(path) or module_helpers_start_processes(path):
         return True
     fixtures = set(getattr(item, "fixturenames", ()))
     if PROCESS_FIXTURES & fixtures:

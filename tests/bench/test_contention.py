@@ -7,6 +7,7 @@ import pytest
 from bench.bench_contention import ROLES, main, measure, render
 
 
+@pytest.mark.slow  # a benchmark run: 18 s (tests/conftest.py, tiers)
 def test_measures_each_model_alone_and_beside_the_other(tiny_dirs) -> None:
     dirs = {"draft": str(tiny_dirs["draft"]), "target": str(tiny_dirs["target"])}
     alone = measure(dirs, "float32", context=8, seconds=0.3, together=False)

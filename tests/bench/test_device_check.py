@@ -116,6 +116,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # starts processes (tests/conftest.py, tiers)
 def test_a_step_over_its_budget_is_stopped_with_its_children_and_the_next_steps_still_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

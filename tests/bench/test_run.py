@@ -113,6 +113,7 @@ def _settings(tiny_dirs, tmp_path, **overrides) -> BenchSettings:
     return BenchSettings(**values)
 
 
+@pytest.mark.slow  # starts processes (tests/conftest.py, tiers)
 def test_bench_runs_end_to_end_in_process(tiny_dirs, tmp_path) -> None:
     settings = _settings(tiny_dirs, tmp_path)
     results = run_bench(settings, progress=lambda message: None)

@@ -22,7 +22,8 @@ from specdec.rpc.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.runtime.chat_template import ChatTemplateRenderer, TemplateLimits
 from verifier_service.server import start_verifier_server
 
-pytestmark = pytest.mark.timeout(120)
+# Caller templates render in a child process: the whole module is slow (tests/conftest.py, tiers).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 GOOD = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 # Each bomb can hit one limit only, whatever the CPU's speed: the time bomb loops 10^10 times and

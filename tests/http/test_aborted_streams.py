@@ -140,6 +140,7 @@ async def test_streams_closed_after_their_first_event_free_everything(engines) -
         assert time.monotonic() - began < WAIT_S + ABORTS  # far below the engines' 600 s TTL
 
 
+@pytest.mark.slow  # starts processes (tests/conftest.py, tiers)
 async def test_an_openai_stream_closed_frees_everything(engines) -> None:
     async with Stack(engines) as stack:
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{stack.port}/v1", api_key="x",
@@ -188,6 +189,7 @@ async def test_clients_that_never_read_do_not_keep_others_waiting(engines) -> No
         await stack.assert_all_freed()
 
 
+@pytest.mark.slow  # waits out an idle timeout: 12 s (tests/conftest.py, tiers)
 async def test_an_unread_stream_is_closed_after_the_idle_timeout_and_resumes_exactly(engines) -> None:
     seeded = {"seed": 4, "temperature": 1.0}
     async with Stack(engines, stream_idle_timeout_s=1.0) as stack:

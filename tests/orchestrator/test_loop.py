@@ -368,6 +368,7 @@ async def _die_after(orch, request, chunks: int):
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
+@pytest.mark.slow  # starts processes (tests/conftest.py, tiers)
 async def test_resume_after_orchestrator_death(make_orchestrator, loaded, request, backend):
     def new_store():
         if backend == "memory":
