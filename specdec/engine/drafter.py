@@ -350,14 +350,15 @@ class DrafterEngine:
 
 
 def _rows_on_cpu(rows: dict[int, torch.Tensor], count: int, vocab: int) -> torch.Tensor:
-    """[count, V] float32 on the CPU: rows[i] at i, zeros elsewhere (one device-to-host copy)."""
-    if not rows:
-        return torch.zeros((count, vocab), dtype=torch.float32)
-    indices = sorted(rows)
-    stacked = torch.stack([rows[i].to(torch.float32) for i in indices])
-    out = stacked.new_zeros((count, vocab))
-    out[indices] = stacked
-    return out.cpu()
+    """[count, V] float32 on the CPU: rows[i] at i, zeros elsewhere (from a GPU: one copy to the host)."""
+    out = torch.zeros((count, vocab), dtype=torch.float32)
+    if rows and next(iter(rows.values())).device.type != "cpu":
+        indices = sorted(rows)
+        out[indices] = torch.stack([rows[i].to(torch.float32) for i in indices]).cpu()
+        return out
+    for i, row in rows.items():
+        out[i] = row
+    return out
 
 
 def _warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
