@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.device.shapes import loaded_model
+    from specdec.rpc.grpc_support import freeze_startup_objects
     from specdec.runtime.batch_config import BatchConfig
     from specdec.runtime.compute_thread import ComputeThread, serial_torch
     from specdec.runtime.kv_pool import PoolConfig
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
+        freeze_startup_objects()  # as `specdec serve` does before it says it is ready
         args.ready_file.write_text(json.dumps({"port": port}))
         await stop.wait()
         await server.stop(0)

@@ -159,8 +159,9 @@ serve_app = typer.Typer(cls=SpecdecGroup, no_args_is_help=True,
 async def _announce_and_serve(server: Any, bound: int, *, role: str, host: str, serving: str,
                               ready_file: Path | None, obs: Observability, **ready: Any) -> None:
     """Write the ready file, say where the service listens, then serve until SIGINT / SIGTERM."""
-    from specdec.rpc.grpc_support import serve_until_signal
+    from specdec.rpc.grpc_support import freeze_startup_objects, serve_until_signal
 
+    freeze_startup_objects()
     if ready_file is not None:
         processes.write_ready_file(ready_file, {"address": connect_address(host, bound), "host": host,
                                                 "port": bound, "pid": os.getpid(), "role": role, **ready,

@@ -354,15 +354,20 @@ async def stop_server(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
         callback()
 
 
-async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
-    """Run until SIGINT/SIGTERM (or the server terminates), then stop gracefully.
+def freeze_startup_objects() -> None:
+    """Move what a serving process has loaded (torch, transformers, the model: it lives as long as
+    the process) out of the garbage collector's sight, once, before the process says it is ready.
 
-    What a serving process has loaded by now (torch, transformers, the model) lives as long as the
-    process, so it is moved out of the garbage collector's sight first (`gc.freeze`): a full
-    collection that scanned it all took ~250 ms and landed inside a request at random (a verifier's
-    Score went from 40 ms to 250–300 ms once per run, tests/observability/test_pipeline.py)."""
+    A full collection that scanned it all took ~250 ms and landed inside a request at random (a
+    verifier's Score went from 40 ms to 250–300 ms once per run, tests/observability/test_pipeline.py).
+    Before readiness, because the collection itself blocks the event loop: done after it, a health
+    check that came at once read the orchestrator's first state (NOT_SERVING)."""
     gc.collect()
     gc.freeze()
+
+
+async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    """Run until SIGINT/SIGTERM (or the server terminates), then stop gracefully."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     installed = []

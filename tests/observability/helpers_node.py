@@ -35,7 +35,7 @@ def main() -> None:
 
     from specdec.cli.observability import setup_observability
     from specdec.cli.processes import write_ready_file
-    from specdec.rpc.grpc_support import serve_until_signal
+    from specdec.rpc.grpc_support import freeze_startup_objects, serve_until_signal
 
     obs = setup_observability(args.role, trace_file=args.trace_file, otlp_endpoint=args.otlp_endpoint,
                               metrics_port=args.metrics_port)
@@ -72,6 +72,7 @@ def main() -> None:
             server, port = await start(engine, "127.0.0.1", 0, interceptors=obs.server_interceptors,
                                        observers=obs.service_observers)
             closing = None
+        freeze_startup_objects()  # as `specdec serve` does before it says it is ready
         write_ready_file(args.ready_file, {"address": f"127.0.0.1:{port}", "port": port, "pid": os.getpid(),
                                            **obs.ready_info()})
         await serve_until_signal(server, grace_s=2.0)
