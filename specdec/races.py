@@ -29,8 +29,33 @@ def race(seed: int, position: int, vocab: int) -> torch.Tensor:
         raise ValueError(f"race position must be >= 0, got {position}")
     bit_generator = np.random.Philox(key=derive_seed(seed, "race"), counter=[0, 0, position, 0])
     raw = bit_generator.random_raw(vocab)
-    uniform = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
-    return torch.from_numpy(-np.log(uniform))
+    # The formula above, in place on one buffer (a fresh 1.2 MB array per step cost more than the
+    # arithmetic): after the shift every value is below 2**53, so the signed conversion is exact.
+    raw >>= np.uint64(11)
+    values = raw.view(np.int64).astype(np.float64)
+    values += 0.5
+    values *= 1.0 / 9007199254740992.0
+    np.log(values, out=values)
+    np.negative(values, out=values)
+    return torch.from_numpy(values)
+
+
+# Below this a lone positive mass could make e / D overflow to inf (e <= 37.5), which the full race
+# reports as "no positive mass"; above it the shortcut and the race agree.
+_SURE_MASS = 1e-300
+
+
+def sole_support(dist: torch.Tensor) -> int | None:
+    """The token of a distribution with exactly one positive entry (a greedy row), else None.
+
+    Such a row's race has one finite arrival, so its winner is that token whatever the race: a
+    target-only step at temperature 0 skips drawing V exponentials (~2 ms at V = 152k).
+    """
+    positive = dist > 0
+    if int(positive.sum()) != 1:
+        return None
+    token = int(torch.argmax(positive.to(torch.uint8)))
+    return token if float(dist[token]) >= _SURE_MASS else None
 
 
 def race_scores(e: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,11 @@ int8 × int8 products are summed in int32 (exact, so in any order), and the floa
 product per element: a row's output is bitwise the same whatever else is in the pass
 (docs/algorithms.md §14).
 
-Two kernels compute the same numbers bitwise (a test checks it): fbgemm's int8 GEMM, the only fast
-int8 GEMM of torch 2.13 on AVX2 CPUs, reached through one operator of the deprecated quantised
-tensor API; and `torch._int_mm`, the fallback where that operator is gone (30× slower here).
+Two kernels compute the same numbers bitwise (a test checks it): fbgemm's int8 GEMM, fastest for a
+few rows on every CPU measured, reached through one operator of the deprecated quantised tensor
+API; and `torch._int_mm` (oneDNN), which AMX and VNNI make faster for wide passes (prefill, wide
+trees) and which stays when that operator is gone. A product may run either per call, by its rows
+(specdec.runtime.int8_kernels measures where one overtakes the other on this CPU).
 """
 
 from __future__ import annotations
@@ -59,7 +61,10 @@ class Int8Product:
             raise ValueError(f"kernel must be {FBGEMM} or {INT_MM}, got {kernel!r}")
         self.kernel = kernel
         codes, self.weight_scale = quantize_weight(weight.detach().float())
+        self.shape = (int(codes.shape[1]), int(codes.shape[0]))  # (K, N): input and output features
         self._packed = self._codes_t = None
+        # From this many rows on a call runs torch._int_mm, below it fbgemm (None: one kernel only)
+        self.int_mm_from_rows: int | None = None
         if kernel == FBGEMM:
             with warnings.catch_warnings():  # quantised tensors are deprecated; only this packs for fbgemm
                 warnings.simplefilter("ignore")
@@ -72,25 +77,62 @@ class Int8Product:
         self.members = members
         self._last = threading.local()  # per thread: (input, its version, product, row scale, uses)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(product [rows, N] float32, row scales [rows, 1]) for input `x` (any leading shape)."""
+    def weight_codes(self) -> torch.Tensor:
+        """The int8 weight codes [N, K] (unpacked from fbgemm's layout where only that is kept)."""
+        if self._codes_t is not None:
+            return self._codes_t.t()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+        return qweight.int_repr()
+
+    def run_int_mm_from(self, rows: int | None) -> None:
+        """Calls of at least `rows` rows run torch._int_mm, smaller ones fbgemm (None: fbgemm only).
+
+        Both give every row bitwise the same (exact int32 sums), so the switch is invisible in
+        the output; it costs a second copy of the int8 weight, kept only where it is used.
+        """
+        if self._packed is None:
+            raise ValueError("this product has no fbgemm weight to switch from")
+        if rows is None:
+            self._codes_t = None
+        elif self._codes_t is None:
+            self._codes_t = self.weight_codes().t().contiguous()
+        self.int_mm_from_rows = rows
+
+    def gemm(self, codes: torch.Tensor, kernel: str) -> torch.Tensor:
+        """Σ_k codes_mk · W_nk · s_n [rows, N] float32 by `kernel` (its weight must be held)."""
+        if kernel == FBGEMM:
+            # scale 1.0: the operator's own quantisation of the codes is exact, its output is
+            # float(int32 sum) · weight_scale, as the int_mm branch computes it
+            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                codes, 1.0, _ACTIVATION_ZERO_POINT, self._packed)
+        # int32 × float32 promotes per element: float(sum) · scale, one pass and one rounding
+        return torch._int_mm(codes.to(torch.int8), self._codes_t) * self.weight_scale
+
+    def kernel_for(self, rows: int) -> str:
+        if self._packed is None:
+            return INT_MM
+        threshold = self.int_mm_from_rows
+        return INT_MM if threshold is not None and rows >= threshold else FBGEMM
+
+    def __call__(self, x: torch.Tensor, member: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(product [rows, N] float32, row scales [rows, 1]) for input `x` (any leading shape).
+
+        A shared product is computed once for its members (`member`: which one asks); each may
+        scale its own columns in place, so a member asking twice for one input gets a fresh one.
+        """
         last = getattr(self._last, "entry", None)
         version = None if x.is_inference() else x._version  # inference tensors keep no counter
-        if last is not None and last[0] is x and last[1] == version:
-            last[4] += 1
-            if last[4] >= self.members:  # every member has its columns: let the tensors go
+        if last is not None and last[0] is x and last[1] == version and member not in last[4]:
+            last[4].add(member)
+            if len(last[4]) >= self.members:  # every member has its columns: let the tensors go
                 self._last.entry = None
             return last[2], last[3]
         codes, row_scale = quantize_rows(x.reshape(-1, x.shape[-1]).float())
-        if self._packed is not None:
-            # scale 1.0: the operator's own quantisation of the codes is exact, its output is
-            # float(int32 sum) · weight_scale, as the int_mm branch computes it
-            product = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                codes, 1.0, _ACTIVATION_ZERO_POINT, self._packed)
-        else:
-            product = torch._int_mm(codes.to(torch.int8), self._codes_t).float() * self.weight_scale
+        product = self.gemm(codes, self.kernel_for(codes.shape[0]))
         # holding `x` keeps its identity (and memory) from being reused until the siblings ran
-        self._last.entry = [x, version, product, row_scale, 1] if self.members > 1 else None
+        self._last.entry = [x, version, product, row_scale, {member}] if self.members > 1 else None
         return product, row_scale
 
 
@@ -135,14 +177,12 @@ class RowwiseInt8Linear(torch.nn.Module):
         return layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        product, row_scale = self.product(x)
         shared = self.columns is not None
-        if shared:
+        product, row_scale = self.product(x, self.columns.start if shared else 0)
+        if shared:  # this layer's columns alone: scaling them in place leaves the siblings' as they are
             product = product[:, self.columns]
         if self.output_dtype != product.dtype:
             product, row_scale = product.to(self.output_dtype), row_scale.to(self.output_dtype)
-        elif shared and self.bias is None:
-            product = product.clone()  # the siblings' columns of the shared product stay as they are
         if self.bias is None:
             out = product.mul_(row_scale)
         else:

@@ -52,6 +52,19 @@ class ForwardRunner(Protocol):
     def alone(self, run: Callable[[], None]) -> None: ...
 
 
+# A prompt is prefilled in passes of at most this many tokens. On the CPU, 128: a pass's
+# temporaries stay in cache ([128, 17920] for the default target's MLP), and a 500-token prompt
+# took 2.70 s against 2.85 s in one pass (2-vCPU EPYC, int8, bench/RESULTS.md); the rows are
+# bitwise those of one pass at int8 (§14). Elsewhere 512. Either way a long prompt's attention
+# scores are [heads, chunk, context], not [heads, context, context].
+PREFILL_CHUNK_CPU = 128
+PREFILL_CHUNK_OTHER = 512
+
+
+def prefill_chunk(device: torch.device | str) -> int:
+    return PREFILL_CHUNK_CPU if torch.device(device).type == "cpu" else PREFILL_CHUNK_OTHER
+
+
 def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     """Device of the model and the float dtype its attention masks use."""
     parameter = next(model.parameters())
@@ -327,26 +340,32 @@ class TreeKVCache:
             raise CacheError("prefill needs an empty block")
         if not tokens:
             return
-        start = self.prefix_len
         device, _ = model_device_dtype(self.model)
-        positions = torch.arange(start, start + len(tokens), device=device)
+        chunk = prefill_chunk(device)
+        tokens = [int(t) for t in tokens]
+        for begin in range(0, len(tokens), chunk):
+            self._prefill_chunk(tokens[begin:begin + chunk], device)
+
+    def _prefill_chunk(self, tokens: list[int], device: torch.device) -> None:
+        start = self.prefix_len
 
         def run() -> None:
             with self.lock or nullcontext(), torch.no_grad():
                 self.model(
-                    input_ids=torch.tensor([list(tokens)], dtype=torch.long, device=device),
-                    position_ids=positions[None],
+                    input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
+                    position_ids=torch.arange(start, start + len(tokens), device=device)[None],
                     past_key_values=self.cache,
                     use_cache=True,
                     logits_to_keep=1,
                 )
 
-        # A prompt's prefill runs alone (its causal mask is the model's own, no [q, kv] mask).
+        # Each chunk runs alone (its causal mask is the model's own, no [q, kv] mask materialised
+        # here); other sessions' passes may run between two chunks.
         if self.runner is not None:
             self.runner.alone(run)
         else:
             run()
-        self.prefix = self.prefix + [int(t) for t in tokens]
+        self.prefix = self.prefix + tokens
         if self.physical_len() != self.prefix_len:
             raise CacheError("the model did not append one cache entry per input token")
 

@@ -25,8 +25,11 @@ import torch
 
 from specdec.defaults import PRECISIONS, resolve_precision, specdec_home
 from specdec.engine.api import ModelInfo
+from specdec.runtime.allocator import keep_freed_memory
 from specdec.runtime.compute_thread import ComputeThread
 from specdec.runtime.int8 import quantize_linears, use_invariant_attention
+from specdec.runtime.int8_kernels import CACHE_FILE as KERNEL_CACHE_FILE
+from specdec.runtime.int8_kernels import choose_kernels
 from specdec.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
 DTYPES: dict[str, torch.dtype] = {
@@ -254,7 +257,7 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def quantize_int8(model: Any) -> Any:
+def quantize_int8(model: Any, kernel_cache: Path | None = None) -> Any:
     """Replace every nn.Linear by a batch-invariant int8 one (specdec.runtime.int8; in place).
 
     Everything the int8 model keeps besides its int8 weights (embeddings, norms, biases) is first
@@ -262,6 +265,9 @@ def quantize_int8(model: Any) -> Any:
     tensor views the memory-mapped safetensors file any more and it is unmapped. Otherwise its
     float32 pages, all read once to quantise them, stay in the process (the default target held
     8.5 GB, 6 GB of it the file, instead of 3.4 GB).
+
+    Then the int8 GEMM is chosen per weight shape for this CPU (specdec.runtime.int8_kernels;
+    `kernel_cache`: the JSON file that keeps the measurement, None: measure every time).
     """
     import gc
 
@@ -271,6 +277,7 @@ def quantize_int8(model: Any) -> Any:
             if id(tensor) not in linear_weights:
                 tensor.data = tensor.data.clone()
         model = quantize_linears(model)
+    choose_kernels(model, kernel_cache)
     use_invariant_attention(model)
     gc.collect()
     return model
@@ -310,6 +317,7 @@ def load_model(
     model.to(device)
     model.eval()
     if torch.device(device).type == "cpu":
+        keep_freed_memory()  # a pass's large temporaries come back from the heap, not page faults
         # Our passes carry a mask (tree / batch layout), and with a mask transformers' sdpa copies
         # every key/value head group by group (repeat_kv) unless told that the kernel handles
         # grouped-query attention itself, which the CPU kernel does: the same logits (checked on
@@ -327,7 +335,7 @@ def load_model(
     vocab_size = int(output.weight.shape[0]) if output is not None else int(model.config.vocab_size)
     del output  # a float Linear: held here, it would keep its part of the weights file mapped
     if dtype == INT8:
-        model = quantize_int8(model)
+        model = quantize_int8(model, specdec_home(home) / KERNEL_CACHE_FILE)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     info = ModelInfo(
         model_id=model_id,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.races import race, race_scores
+from specdec.races import race, race_scores, sole_support
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
 from specdec.verification.base import MethodParams, Rows, VerificationError, VerifyResult
@@ -33,11 +33,14 @@ def verify_ersd(
     while True:
         # argmin e/D does not change when D is scaled, so the raw row is used as sent (race_scores
         # reads it in float64 on the race's device, the CPU) and no normalisation pass is needed.
-        e = race(params.seed, params.position + depth, target.vocab)
-        scores = race_scores(e, target.raw[node + 1])
-        winner = int(torch.argmin(scores).item())
-        if not bool(torch.isfinite(scores[winner])):
-            raise VerificationError(f"target row {node + 1} has no positive mass")
+        row = target.raw[node + 1]
+        winner = sole_support(row)
+        if winner is None:
+            e = race(params.seed, params.position + depth, target.vocab)
+            scores = race_scores(e, row)
+            winner = int(torch.argmin(scores).item())
+            if not bool(torch.isfinite(scores[winner])):
+                raise VerificationError(f"target row {node + 1} has no positive mass")
         tokens.append(winner)
         children = tree.children(node)
         if not children:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from specdec.races import race, race_arrivals, race_scores, race_winner
+from specdec.races import race, race_arrivals, race_scores, race_winner, sole_support
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,3 +128,30 @@ def test_scores_are_infinite_exactly_off_the_support():
     assert torch.isinf(scores[[0, 2, 4]]).all() and torch.isfinite(scores[[1, 3]]).all()
     assert race_arrivals(e, dist, 0) == []
     assert sorted(race_arrivals(e, dist, 10)) == [1, 3]
+
+
+def _reference_race(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """The race as its module docstring writes it, out of place (the formula the fast path keeps)."""
+    from specdec.randomness import derive_seed
+
+    raw = np.random.Philox(key=derive_seed(seed, "race"), counter=[0, 0, position, 0]).random_raw(vocab)
+    uniform = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+    return torch.from_numpy(-np.log(uniform))
+
+
+@pytest.mark.parametrize(("seed", "position", "vocab"), [(0, 0, 1), (1234, 17, 1000), (2**62, 10**6, 151936)])
+def test_race_equals_the_docstring_formula_bitwise(seed, position, vocab):
+    assert torch.equal(race(seed, position, vocab), _reference_race(seed, position, vocab))
+
+
+def test_sole_support_names_the_token_of_a_greedy_row_and_agrees_with_the_race():
+    for token in (0, 7, 999):
+        row = torch.zeros(1000)
+        row[token] = 1.0
+        assert sole_support(row) == token
+        assert sole_support(row.double()) == token
+        assert race_winner(race(5, token, 1000), row) == token
+    assert sole_support(torch.full((10,), 0.1)) is None  # two or more positive entries: race it
+    assert sole_support(torch.tensor([0.0, 0.5, 0.5])) is None
+    assert sole_support(torch.zeros(4)) is None  # no mass: the race reports it
+    assert sole_support(torch.tensor([0.0, 1e-310, 0.0], dtype=torch.float64)) is None  # e / D may overflow

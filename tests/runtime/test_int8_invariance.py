@@ -247,3 +247,16 @@ def test_a_shared_product_is_recomputed_for_a_changed_or_new_input():
         y = torch.randn(2, 16)
         assert torch.equal(first(y), RowwiseInt8Linear.from_linear(linears[0])(y))
         assert torch.equal(second(y), RowwiseInt8Linear.from_linear(linears[1])(y))
+
+
+def test_a_member_asking_twice_for_one_input_is_not_scaled_twice():
+    """Members scale their own columns of the shared product in place: a repeat call recomputes."""
+    linears = [torch.nn.Linear(16, 4, bias=False), torch.nn.Linear(16, 6, bias=False)]
+    first, second = RowwiseInt8Linear.sharing_input(linears, [torch.float32, torch.float32])
+    alone = [RowwiseInt8Linear.from_linear(linear) for linear in linears]
+    with torch.inference_mode():
+        x = torch.randn(5, 16)
+        assert torch.equal(first(x), alone[0](x))
+        assert torch.equal(first(x), alone[0](x))  # the same member again, before its sibling
+        assert torch.equal(second(x), alone[1](x))
+        assert torch.equal(second(x), alone[1](x))
