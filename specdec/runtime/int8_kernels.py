@@ -70,12 +70,12 @@ def crossover(timings: Timings) -> int | None:
     return threshold
 
 
-def _median_seconds(call: Callable[[], object], repeats: int) -> float:
-    call()  # warm-up: packing caches, oneDNN's primitive for this shape
+def _median_seconds(product: Int8Product, codes: torch.Tensor, kernel: str, repeats: int) -> float:
+    product.gemm(codes, kernel)  # warm-up: packing caches, oneDNN's primitive for this shape
     times = []
     for _ in range(repeats):
         began = time.perf_counter()
-        call()
+        product.gemm(codes, kernel)
         times.append(time.perf_counter() - began)
     return statistics.median(times)
 
@@ -94,8 +94,8 @@ def measure(product: Int8Product, rows_grid: Iterable[int] = ROW_GRID, repeats: 
         with torch.inference_mode():
             for rows in sorted(rows_grid):
                 codes, _ = quantize_rows(torch.randn(rows, inputs, generator=generator))
-                fast = _median_seconds(lambda: product.gemm(codes, FBGEMM), repeats)
-                timings[rows] = (fast, _median_seconds(lambda: product.gemm(codes, INT_MM), repeats))
+                fast = _median_seconds(product, codes, FBGEMM, repeats)
+                timings[rows] = (fast, _median_seconds(product, codes, INT_MM, repeats))
                 if fast > MAX_CALL_SECONDS:
                     break
     finally:
