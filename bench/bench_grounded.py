@@ -278,9 +278,34 @@ def up_args(server: str, args: argparse.Namespace) -> list[str]:
     return ["--drafter", "none", "--target", args.target, "--dtype", args.dtype, *extra]
 
 
+PER_TENSOR = "int8-per-tensor"  # torch.ao's dynamic int8 (one activation scale a pass): plain HF's fastest
+
+
+def load_hf_target(path, dtype: str, threads: int):
+    """The target for the HF rows: a specdec precision, or int8-per-tensor (what a user of plain HF
+    runs for speed on a CPU: `quantize_dynamic` on every Linear, float32 attention)."""
+    import warnings
+
+    import torch
+
+    from specdec.runtime.loading import load_model
+
+    if dtype != PER_TENSOR:
+        return load_model(path, dtype=dtype, threads=threads)
+    loaded = load_model(path, dtype="float32", threads=threads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded.model = torch.ao.quantization.quantize_dynamic(loaded.model, {torch.nn.Linear},
+                                                              dtype=torch.qint8, inplace=True)
+    return loaded
+
+
 def start_server(server: str, name: str, args: argparse.Namespace, cache_requests: int | None, progress: Say,
                  extra: Sequence[str] = ()):
     from bench.bench_serving import SpecdecServer
+
+    if getattr(args, "trace", False):  # each server's spans in a file of its own (the breakdown)
+        extra = [*extra, "--trace-file", str(args.out / f"trace-{name}.jsonl")]
 
     spec = SpecdecServer(name, [*up_args(server, args), *extra], args.out)
     progress(f"[{name}] starting: specdec up {shlex.join(spec.up_args)}"
@@ -307,7 +332,7 @@ class Harness:
         hf_logging.disable_progress_bar()
         torch.set_num_threads(args.hf_threads)
         self.args, self.progress = args, progress
-        self.target = load_model(resolve_model(args.target), dtype=args.dtype, threads=args.hf_threads)
+        self.target = load_hf_target(resolve_model(args.target), args.hf_dtype or args.dtype, args.hf_threads)
         self.draft = None
         if "hf-assisted" in args.configs:
             self.draft = load_model(resolve_model(args.draft), dtype=args.dtype, threads=args.hf_threads)
@@ -405,10 +430,59 @@ def run(args: argparse.Namespace, progress: Say = say) -> dict[str, Any]:
                     spec.stop()
             (args.out / "results.json").write_text(json.dumps(harness.results(), indent=1))  # partial results
     results = harness.results()
+    if getattr(args, "trace", False):
+        results["breakdown"] = iteration_breakdown(args.out)
     if args.serving_clients:
         grounded = harness.items.get("grounded") or workload_items(["grounded"], args.per_kind)["grounded"]
         results["serving"] = serving(args, grounded, harness.tokenizer, progress)
     return results
+
+
+def iteration_breakdown(folder: Path) -> dict[str, Any]:
+    """Per configuration, milliseconds per iteration and per call from the servers' spans
+    (bench.bench_iteration.breakdown: compute = forward + verification, engine, handler, wire, loop)."""
+    from bench.bench_iteration import breakdown, load_spans
+
+    spans = [span for path in sorted(folder.glob("trace-*.jsonl")) for span in load_spans(path)]
+    configs: dict[str, str] = {}
+    for span in spans:
+        request = span["attributes"].get("specdec.request_id") if span["name"] == "specdec.request" else None
+        parts = (request or "").split("-")
+        if len(parts) >= 4 and parts[0] == "grounded":
+            configs[request] = "-".join(parts[2:-1])
+    out: dict[str, Any] = {}
+    for config, figures in breakdown(spans, configs).items():
+        if config not in CONFIGS:
+            continue
+        iterations = figures["iterations"]
+        out[config] = {
+            "iterations": len(iterations["wall"]),
+            "iteration_ms": _median([1e3 * x for x in iterations["wall"]]),
+            "between_calls_ms": _median([1e3 * x for x in iterations["between calls"]]),
+            "calls": {op: {part: _median([1e3 * x for x in values]) for part, values in parts.items()}
+                      | {"count": len(parts["total"])} for op, parts in figures["calls"].items()},
+        }
+    return out
+
+
+def render_breakdown(breakdown_: dict[str, Any]) -> list[str]:
+    lines = ["", "## Per iteration (medians, ms; from the servers' spans)", "",
+             "| configuration | iterations | iteration | between calls | call | calls | compute | engine "
+             "| handler | wire | loop | call total |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for config, row in breakdown_.items():
+        for op, call in sorted(row["calls"].items()):
+            lines.append(
+                f"| {config} | {row['iterations']} | {_cell(row['iteration_ms'])} | "
+                f"{_cell(row['between_calls_ms'])} | {op} | {call['count']} | {_cell(call['compute'])} | "
+                f"{_cell(call['engine'])} | {_cell(call['handler'])} | {_cell(call['wire'])} | "
+                f"{_cell(call['loop'])} | {_cell(call['total'])} |")
+    lines += ["", "compute: the engine's forward pass(es) and verification rule; engine: the engine call "
+              "around them (sessions, KV bookkeeping, rows); handler: proto ↔ dataclass and the hand-off "
+              "to the worker thread; wire: gRPC (de)serialisation, the socket and scheduling; loop: the "
+              "orchestrator's span around the RPC (waiting for an earlier call of the run, timing); "
+              "between calls: the iteration's time with no call in flight."]
+    return lines
 
 
 def _as_list(value: Any) -> list[int]:
@@ -683,10 +757,13 @@ def render(results: dict[str, Any], meta: dict[str, Any]) -> str:
         f"Machine: {meta['machine']}. Models: {meta['draft']} → {meta['target']}, precision {meta['dtype']}; "
         f"{meta['max_new_tokens']} new tokens (no EOS stop), T = {', '.join(meta['temperatures'])}; "
         f"{meta['rounds']} round(s), {meta['per_kind']} prompt(s) per kind, workloads "
-        f"{', '.join(meta['workloads'])}; HF rows with {meta['hf_threads']} thread(s)"
+        f"{', '.join(meta['workloads'])}; HF rows with {meta['hf_threads']} thread(s) at "
+        f"{meta.get('hf_dtype', meta['dtype'])}"
         + _cache_note(meta) + ".",
     ]
     lines += render_tables(results["summary"])
+    if results.get("breakdown"):
+        lines += render_breakdown(results["breakdown"])
     if results.get("serving"):
         lines += render_serving(results["serving"])
     lines += [
@@ -750,6 +827,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="int8", help="precision of every configuration (default int8)")
     p.add_argument("--hf-threads", type=int, default=default_threads(),
                    help="torch threads of the in-process HF rows (default: the machine's cores)")
+    p.add_argument("--hf-dtype", default=None,
+                   help=f"precision of the HF rows (default: --dtype); {PER_TENSOR}: torch.ao's dynamic "
+                        "int8, what plain HF users run for speed on a CPU")
+    p.add_argument("--trace", action="store_true",
+                   help="servers write spans; the report adds a per-iteration breakdown per configuration")
     p.add_argument("--lookup-tokens", type=int, default=10, help="hf-lookup's prompt_lookup_num_tokens")
     p.add_argument("--max-prompt-tokens", type=int, default=1024,
                    help="longer prompts keep their last tokens")
@@ -798,6 +880,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": args.workloads,
         "configs": args.configs,
         "hf_threads": args.hf_threads,
+        "hf_dtype": args.hf_dtype or args.dtype,
         "lookup_tokens": args.lookup_tokens,
         "cache_flush": args.cache_flush,
         "cache_requests": CACHE_REQUESTS,

@@ -297,3 +297,48 @@ def test_hf_rows_end_to_end_on_the_tiny_pair(tiny_dirs, tmp_path, capsys) -> Non
     captured = capsys.readouterr()  # the table on stdout, progress on stderr
     assert "| workload | hf | hf-lookup | hf-assisted |" in captured.out
     assert "round 0 multiturn/0 T=0 hf-lookup: " in captured.err and "round 0" not in captured.out
+
+
+def _span(name, span_id, parent, start_ms, end_ms, kind="INTERNAL", **attributes):
+    return {"name": name, "span_id": span_id, "parent_span_id": parent, "kind": kind,
+            "start_ns": int(start_ms * 1e6), "end_ns": int(end_ms * 1e6), "attributes": attributes}
+
+
+def test_the_breakdown_splits_each_configurations_iterations_from_the_servers_spans(tmp_path) -> None:
+    """Two target-only iterations of 80 ms: 70 ms forward, 2 verification, 1 engine, 1 handler, 3 wire."""
+    request = {"specdec.request_id": "grounded-9-target-only-3"}
+    spans = [_span("specdec.request", "r", None, 0, 200, **request),
+             _span("specdec.request", "w", None, 0, 10, **{"specdec.request_id": "grounded-9-warmup-1"})]
+    for i, start in enumerate((0, 100)):
+        spans += [
+            _span("specdec.iteration", f"i{i}", "r", start, start + 80, **{"specdec.emitted": 1}),
+            _span("specdec.verify", f"v{i}", f"i{i}", start + 1, start + 79),
+            _span("/specdec.v1.VerifierService/Verify", f"c{i}", f"v{i}", start + 2, start + 79, "CLIENT"),
+            _span("/specdec.v1.VerifierService/Verify", f"s{i}", f"c{i}", start + 4, start + 78, "SERVER"),
+            _span("verifier.verify", f"e{i}", f"s{i}", start + 4.5, start + 77.5),
+            _span("verifier.forward", f"f{i}", f"e{i}", start + 5, start + 75),
+            _span("verifier.verification", f"g{i}", f"e{i}", start + 75, start + 77),
+        ]
+    (tmp_path / "trace-B-r0.jsonl").write_text("\n".join(json.dumps(s) for s in spans[:9]))
+    (tmp_path / "trace-B-r1.jsonl").write_text("\n".join(json.dumps(s) for s in spans[9:]))
+    breakdown = bg.iteration_breakdown(tmp_path)
+    assert list(breakdown) == ["target-only"]  # warm-ups are no configuration
+    row = breakdown["target-only"]
+    assert row["iterations"] == 2 and row["iteration_ms"] == pytest.approx(80)
+    verify = row["calls"]["Verify"]
+    assert verify["count"] == 2 and verify["compute"] == pytest.approx(72)
+    assert verify["engine"] == pytest.approx(1) and verify["handler"] == pytest.approx(1)
+    assert verify["wire"] == pytest.approx(3) and verify["loop"] == pytest.approx(1)
+    text = "\n".join(bg.render_breakdown(breakdown))
+    assert "| target-only | 2 | 80.00 |" in text and "| Verify | 2 | 72.00 | 1.00 | 1.00 | 3.00 |" in text
+
+
+def test_hf_rows_can_run_at_plain_hfs_per_tensor_int8(tiny_dirs) -> None:
+    import torch
+
+    loaded = bg.load_hf_target(tiny_dirs["target"], bg.PER_TENSOR, 1)
+    dynamic = torch.ao.nn.quantized.dynamic.Linear
+    assert not any(type(m) is torch.nn.Linear for m in loaded.model.modules())
+    assert any(isinstance(m, dynamic) for m in loaded.model.modules())
+    with torch.no_grad():
+        assert loaded.model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == loaded.info.vocab_size
