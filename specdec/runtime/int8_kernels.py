@@ -5,7 +5,8 @@ fbgemm's kernel is the fastest for a few rows on every CPU we measured (0.57 ms 
 behind oneDNN's `torch._int_mm` for a wide pass (18.3 against 6.7 ms at 256 rows), while on the
 EPYC the two are level there. So the choice is measured on the machine: per distinct weight shape,
 both kernels at a few row counts, and calls from the smallest count on which `_int_mm` wins (by a
-margin, at that count and every larger one measured) run `_int_mm`. The answer is saved under the
+margin, at that count and every larger one measured) run `_int_mm`, and a prompt's prefill runs
+in chunks at least that wide (specdec.runtime.kv.prefill_chunk). The answer is saved under the
 specdec home, keyed by CPU model, capability, torch version and threads, so a later start reads it.
 
 Every kernel sums int8 products in int32, exactly, so rows are bitwise the same whichever kernel
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 KERNELS_ENV = "SPECDEC_INT8_KERNELS"
 KERNEL_MODES = ("auto", FBGEMM, INT_MM)
 CACHE_FILE = "int8-kernels.json"
-ROW_GRID = (16, 64, 256)  # row counts measured: a wide tree, a prefill chunk, a long prefill
+ROW_GRID = (16, 64, 128, 256)  # row counts measured: a wide tree, prefill chunks, a long prefill
+WIDE_ROWS_ATTRIBUTE = "specdec_int8_wide_rows"  # set on the model: the smallest switch-over row count
 MARGIN = 0.9  # _int_mm must take under 90 % of fbgemm's time to be chosen (measurement noise)
 MAX_CALL_SECONDS = 0.05  # a shape's grid stops where one fbgemm call takes longer (the lm_head)
 
@@ -172,4 +174,7 @@ def choose_kernels(model: torch.nn.Module, cache: Path | None, mode: str | None 
     for shape, group in by_shape.items():
         for product in group:
             product.run_int_mm_from(choice[shape])
+    # A prefill can then run in passes wide enough for the faster kernel (specdec.runtime.kv)
+    thresholds = [rows for rows in choice.values() if rows is not None]
+    setattr(model, WIDE_ROWS_ATTRIBUTE, min(thresholds) if thresholds else None)
     return choice

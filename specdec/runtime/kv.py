@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -61,8 +61,13 @@ PREFILL_CHUNK_CPU = 128
 PREFILL_CHUNK_OTHER = 512
 
 
-def prefill_chunk(device: torch.device | str) -> int:
-    return PREFILL_CHUNK_CPU if torch.device(device).type == "cpu" else PREFILL_CHUNK_OTHER
+def prefill_chunk(device: torch.device | str, model: Any = None) -> int:
+    """Tokens per prefill pass; on the CPU at least as many as the int8 model's faster wide kernel
+    needs (specdec.runtime.int8_kernels sets the row count where `_int_mm` takes over)."""
+    if torch.device(device).type != "cpu":
+        return PREFILL_CHUNK_OTHER
+    wide = getattr(model, "specdec_int8_wide_rows", None)
+    return max(PREFILL_CHUNK_CPU, wide) if isinstance(wide, int) else PREFILL_CHUNK_CPU
 
 
 def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
@@ -341,7 +346,7 @@ class TreeKVCache:
         if not tokens:
             return
         device, _ = model_device_dtype(self.model)
-        chunk = prefill_chunk(device)
+        chunk = prefill_chunk(device, self.model)
         tokens = [int(t) for t in tokens]
         for begin in range(0, len(tokens), chunk):
             self._prefill_chunk(tokens[begin:begin + chunk], device)

@@ -92,6 +92,7 @@ def test_choice_is_measured_once_per_cpu_and_shape_and_kept(tmp_path, monkeypatc
     assert len(calls) == len(choice) == len({p.shape for p in switchable})  # one per shape, no head
     assert head.int_mm_from_rows is None
     assert {p.int_mm_from_rows for p in switchable} == {None, 64}
+    assert model.specdec_int8_wide_rows == 64  # a prefill runs in chunks at least this wide
     saved = json.loads(cache.read_text())
     assert saved[cpu_key()] == choice
     calls.clear()
@@ -106,6 +107,7 @@ def test_forced_modes_and_a_bad_value(tmp_path, monkeypatch):
     assert set(choice.values()) == {1} and not (tmp_path / "k.json").exists()
     monkeypatch.setenv(KERNELS_ENV, "fbgemm")
     assert set(choose_kernels(model, None).values()) == {None}
+    assert model.specdec_int8_wide_rows is None
     monkeypatch.setenv(KERNELS_ENV, "fast")
     with pytest.raises(ValueError, match=KERNELS_ENV):
         choose_kernels(model, None)

@@ -53,6 +53,16 @@ def test_a_runner_gets_one_pass_per_chunk(monkeypatch):
     assert len(passes) == 3 and kv.prefix_len == 40  # 16 + 16 + 8
 
 
-def test_chunk_sizes_by_device():
+def test_chunk_sizes_by_device_and_the_int8_models_wide_kernel():
     assert prefill_chunk("cpu") == kv_module.PREFILL_CHUNK_CPU
     assert prefill_chunk("cuda") == kv_module.PREFILL_CHUNK_OTHER
+
+    class Model:
+        specdec_int8_wide_rows = None
+
+    model = Model()
+    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_CPU
+    model.specdec_int8_wide_rows = 256  # _int_mm takes over from 256 rows: chunks that wide
+    assert prefill_chunk("cpu", model) == 256
+    model.specdec_int8_wide_rows = 16
+    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_CPU
