@@ -239,6 +239,9 @@ def kv_element_size(model: torch.nn.Module) -> int | None:
 # attention: the float part of an int8 model, computed so that rounding cannot see the pass
 
 INVARIANT_ATTENTION = "specdec_sdpa_float64"
+# A one-row pass takes the grouped products from this many keys on: per layer, 12 query heads over
+# 2 key/value heads, 0.94 against 1.54 ms at 1,500 keys, level at 400 (Zen 4 EPYC, 2 threads)
+GROUPED_ONE_ROW_FROM_KEYS = 512
 
 
 def _float64_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -254,7 +257,8 @@ def _float64_sdpa(module, query, key, value, attention_mask, **kwargs):
 
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.double()
-        if (query.shape[2] > 1 and attention_mask.dim() == 4 and attention_mask.shape[-1] == key.shape[2]
+        if ((query.shape[2] > 1 or key.shape[2] >= GROUPED_ONE_ROW_FROM_KEYS) and attention_mask.dim() == 4
+                and attention_mask.shape[-1] == key.shape[2]
                 and query.shape[1] % key.shape[1] == 0):
             return _grouped_float64_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
     output, weights = sdpa_attention_forward(module, query.double(), key.double(), value.double(),

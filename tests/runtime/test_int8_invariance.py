@@ -135,7 +135,14 @@ def differences(model, seed: int = 0) -> dict[str, tuple[int, float]]:
     return out
 
 
-def test_int8_rows_are_the_same_in_every_pass_shape():
+@pytest.mark.parametrize("grouped_one_row_from", [None, 1])
+def test_int8_rows_are_the_same_in_every_pass_shape(grouped_one_row_from, monkeypatch):
+    """One-row passes run the sdpa kernel in float64 below GROUPED_ONE_ROW_FROM_KEYS keys and the
+    grouped float64 products from there on (as multi-row passes do): rows are bitwise equal either way."""
+    from specdec.runtime import int8
+
+    if grouped_one_row_from is not None:
+        monkeypatch.setattr(int8, "GROUPED_ONE_ROW_FROM_KEYS", grouped_one_row_from)
     with torch.no_grad():
         found = differences(quantize_int8(tiny()))
     assert all(unequal == 0 for unequal, _ in found.values()), found
