@@ -120,7 +120,6 @@ async def one(address: str, ids: list[int], config: str, max_new_tokens: int, te
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.bench_serving import SpecdecServer
     from bench.grounded_prompts import prompt_ids, workload_items
-    from specdec.cli.up import _engine_token_file
     from specdec.models import resolve_model
     from specdec.runtime.tokenizers import load_tokenizer
 
@@ -134,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     round_trips: dict[str, float] = {}
     try:
-        token_file = _engine_token_file(Path(server.info["log_dir"]))
+        token_file = Path(server.info["log_dir"]) / "engine.token"  # up's engines accept its bearer token
         for delay in args.delays_ms:
             drafter = DelayProxy(_host_port(server.info["drafter"]), delay / 1e3).start()
             verifier = DelayProxy(_host_port(server.info["verifier"]), delay / 1e3).start()
