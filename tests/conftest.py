@@ -60,7 +60,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 PROCESS_STARTERS = re.compile(r"subprocess\.(?:run|Popen|check_output|check_call|call)\(|\bPopen\(|"
                               r"\brun_dry\(|create_subprocess_(?:exec|shell)|multiprocessing|\bSupervisor\(|"
                               r"apply_chat_template\(\w+, \w+|ChatTemplateRenderer\(|ApplyChatTemplate|"
-                              r"run_cli\(|UpProcess|start_new_session")
+                              r"run_cli\(|UpProcess|start_new_session|\bdump_dom\(|\bscreenshot\(")
 PROCESS_FIXTURES = frozenset({"redis_url"})  # session fixtures: started before the guard below
 # Started once per process by shared state, whichever test comes first, and cheap: not a slow test's
 # mark (platform's processor probe; a verifier's chat-template child, reused afterwards).

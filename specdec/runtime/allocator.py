@@ -14,7 +14,6 @@ Opt out with SPECDEC_MALLOC_TUNING=0; a user's own GLIBC_TUNABLES or MALLOC_*_ s
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import threading
@@ -43,10 +42,8 @@ def keep_freed_memory() -> bool:
         _tuned = False
         if os.environ.get(TUNING_ENV, "1").strip().lower() in ("0", "false", "no", "off") or _user_tuned():
             return False
-        name = ctypes.util.find_library("c")
-        try:
-            libc = ctypes.CDLL(name)
-            mallopt = libc.mallopt
+        try:  # the process's own symbols: glibc's mallopt where libc is glibc (find_library forks ldconfig)
+            mallopt = ctypes.CDLL(None).mallopt
         except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to tune
             return False
         _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(

@@ -47,7 +47,7 @@ Timings = dict[int, tuple[float, float]]  # rows → (fbgemm seconds, _int_mm se
 
 def cpu_key(threads: int | None = None) -> str:
     """What a measurement depends on: CPU model, torch's CPU capability, torch version, threads."""
-    model = platform.processor() or platform.machine()
+    model = platform.machine()  # (platform.processor() would fork `uname -p`)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

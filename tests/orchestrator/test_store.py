@@ -21,7 +21,7 @@ def _record(request_id: str = "req-1", status: str = "running") -> RequestRecord
     )
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.slow)])  # redis: a server process
 async def store(request):
     if request.param == "memory":
         backend = MemoryStore()

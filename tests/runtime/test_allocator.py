@@ -24,6 +24,7 @@ def test_glibc_takes_the_thresholds_once(fresh):
 
     class Recording:
         def __init__(self, name):
+            assert name is None  # the process's own symbols, no ldconfig child
             self._libc = real(name)
 
         def mallopt(self, parameter, value):
