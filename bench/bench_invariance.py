@@ -18,35 +18,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
+from bench.bench_grounded import PER_TENSOR, load_hf_target
 from specdec.defaults import DEFAULT_TARGET_MODEL
 from specdec.models import resolve_model
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.batching import ForwardBatcher, _Job
 from specdec.runtime.kv import TreeKVCache
-from specdec.runtime.loading import load_model
 from specdec.runtime.tokenizers import load_tokenizer
 
 CONTEXT = (
     "def quicksort(items):\n    if len(items) <= 1:\n        return items\n"
     "    pivot = items[len(items) // 2]\n    left = [x for x in items if x < pivot]\n"
 )
-PRECISIONS = ("float32", "int8-per-tensor", "int8")
-
-
-def load(path: str, precision: str, threads: int):
-    if precision != "int8-per-tensor":
-        return load_model(path, dtype=precision, threads=threads)
-    loaded = load_model(path, dtype="float32", threads=threads)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loaded.model = torch.ao.quantization.quantize_dynamic(loaded.model, {torch.nn.Linear},
-                                                              dtype=torch.qint8, inplace=True)
-    return loaded
+PRECISIONS = ("float32", PER_TENSOR, "int8")
 
 
 def row_alone(model, ids: list[int]) -> torch.Tensor:
@@ -118,7 +106,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here too")
     args = parser.parse_args()
     path = args.target or str(resolve_model(DEFAULT_TARGET_MODEL))
-    models = {p: load(path, p, args.threads).model for p in PRECISIONS}
+    models = {p: load_hf_target(path, p, args.threads).model for p in PRECISIONS}
     ids = load_tokenizer(Path(path))(CONTEXT)["input_ids"]
     lines = [f"Target {path}, {args.threads} threads, context of {len(ids)} tokens.", "",
              "| precision | pass | bitwise | max abs Δlogit | TV |", "|---|---|---|---:|---:|"]
