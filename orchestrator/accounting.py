@@ -50,6 +50,7 @@ def account(
     stats.draft_seconds += timeline.draft_seconds()
     stats.verify_seconds += timeline.verify_seconds()
     stats.overlap_seconds += record.overlap_seconds
+    stats.cached_tokens += max(0, int(outcome.cached_tokens))
     if record.fallback:
         stats.fallback_iterations += 1
     if record.drafted:

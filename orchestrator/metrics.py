@@ -83,6 +83,10 @@ Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label r
   specdec_batch_seconds_total{role}                 time those passes ran (/ batches = seconds per pass)
   specdec_score_hits_total, specdec_late_scores_total   verifier: early scores used / too late
   specdec_draft_rows_requests_total                 verifier: lean verifies that asked for draft rows
+  specdec_prefix_cache_{lookups,hits,queried_tokens,hit_tokens,stored_blocks,evictions}_total{role}
+                                                    the prefix cache (--prefix-cache-mb): hit rate =
+                                                    hits / lookups, token hit rate = hit / queried
+  specdec_prefix_cache_{blocks,bytes,budget_bytes}{role}   what it holds, and its budget
 HTTP API (HttpMetrics: orchestrator.openai_http's middleware records it; route = /v1/completions |
 /v1/chat/completions | /v1/models | /health | other, so unknown paths cannot grow the label set):
   specdec_http_requests_total{route,status}         HTTP requests answered, by status code (413s and
@@ -539,6 +543,21 @@ _SESSION_STATS = {
     "late_scores": ("specdec_late_scores", "Score calls ignored because their verify had run.", "counter"),
     "draft_rows_requests": ("specdec_draft_rows_requests", "Lean verifies answered with draft_rows_needed "
                             "(the orchestrator resends them with those rows).", "counter"),
+    "prefix_cache_lookups": ("specdec_prefix_cache_lookups", "Prefix-cache lookups (a new context of at "
+                             "least one uncached block).", "counter"),
+    "prefix_cache_hits": ("specdec_prefix_cache_hits", "Of those, lookups that found at least one block "
+                          "(/ lookups = hit rate).", "counter"),
+    "prefix_cache_queried_tokens": ("specdec_prefix_cache_queried_tokens", "Tokens of the full blocks looked "
+                                    "up.", "counter"),
+    "prefix_cache_hit_tokens": ("specdec_prefix_cache_hit_tokens", "Of those, tokens found, whose prefill "
+                                "was saved (/ queried = token hit rate).", "counter"),
+    "prefix_cache_blocks": ("specdec_prefix_cache_blocks", "Blocks the prefix cache holds.", "gauge"),
+    "prefix_cache_bytes": ("specdec_prefix_cache_bytes", "Bytes the prefix cache holds.", "gauge"),
+    "prefix_cache_budget_bytes": ("specdec_prefix_cache_budget_bytes", "The prefix cache's budget "
+                                  "(--prefix-cache-mb).", "gauge"),
+    "prefix_cache_stored_blocks": ("specdec_prefix_cache_stored_blocks", "Blocks stored.", "counter"),
+    "prefix_cache_evictions": ("specdec_prefix_cache_evictions", "Blocks evicted, least recently used "
+                               "first, to stay within the budget.", "counter"),
 }
 
 

@@ -69,7 +69,26 @@ def check_request(request: GenerationRequest, config: OrchestratorConfig, target
     if request.seed is not None and not isinstance(request.seed, int):
         raise InvalidRequest(f"seed must be an integer, got {request.seed!r}")
     _check_draft_source(request.draft_source, method, has_drafter=has_drafter)
+    check_cache_salt(request.cache_salt)
     return method
+
+
+# A cache salt names a partition of the engines' prefix caches: any printable text up to this long.
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt: object) -> None:
+    """None, or a non-empty string of at most MAX_CACHE_SALT_CHARS printable characters (a salt
+    travels to both engines with every call: nothing unbounded or unprintable goes)."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise InvalidRequest("cache_salt must be a non-empty string (or unset)")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"cache_salt: {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS} are "
+                             "allowed")
+    if not salt.isprintable():
+        raise InvalidRequest("cache_salt must hold printable characters only")
 
 
 def _check_draft_source(source: object, method: str, *, has_drafter: bool) -> None:

@@ -62,6 +62,13 @@ class RunSettings:
     owner: str = ANONYMOUS  # the identity the request's record is bound to (RequestRecord.owner)
     draft_source: str = MODEL_SOURCE  # where drafts come from (orchestrator.drafting.SOURCES)
     seeded: bool = False  # the request named its seed: its random streams may be shared with other requests
+    cache_salt: str = ""  # with `owner`, the engines' prefix-cache partition (GenerationRequest.cache_salt)
+
+    @property
+    def cache_partition(self) -> str:
+        """Where the engines' prefix caches put this request's blocks and look for its prompt: the caller's
+        identity and its salt, so no block crosses tenants (specdec.runtime.prefix_cache)."""
+        return f"{self.owner}\x1f{self.cache_salt}"
 
     @property
     def spec(self) -> Method:
@@ -77,7 +84,7 @@ class RunSettings:
             "pipeline": self.pipeline, "pipeline_max_k": self.pipeline_max_k,
             "bonus_guesses": self.bonus_guesses, "rejection_guesses": self.rejection_guesses,
             "adaptive": self.adaptive, "chat": self.chat, "draft_source": self.draft_source,
-            "seeded": self.seeded,
+            "seeded": self.seeded, "cache_salt": self.cache_salt,
         }
 
     @classmethod
@@ -96,6 +103,7 @@ class RunSettings:
             # runs stored before draft sources drafted by model
             draft_source=str(p.get("draft_source", MODEL_SOURCE)),
             seeded=bool(p.get("seeded", True)),  # unknown for older records: the careful answer
+            cache_salt=str(p.get("cache_salt", "")),
         )
 
 
@@ -216,6 +224,7 @@ def new_run(
         owner=owner,
         draft_source=draft_source_for(request.draft_source, method, config),
         seeded=request.seed is not None,
+        cache_salt=request.cache_salt or "",
     )
     start = len(prompt_ids)
     return Run(settings, RunState(text_cursor=TextCursor(start, start, start)), new_session_id(request_id))

@@ -236,7 +236,7 @@ class RunSessions:
             return self._deadlined(drafter.draft(DraftRequest(
                 session_id=self.drafter_session, base_len=base, append=append, shape_parents=list(shape),
                 sampling=run.sampling, seed=run.seed, strategy=self.strategy,
-                want_distributions=self.want_rows, lean_rows=lean_rows,
+                want_distributions=self.want_rows, lean_rows=lean_rows, cache_partition=run.cache_partition,
             )), passes=max(1, max_depth(shape)), catch_up=len(append))
 
         return await self._drafter_call(context, call, timeline, "draft")
@@ -275,6 +275,7 @@ class RunSessions:
                 session_id=self.drafter_session, base_len=base, append=append, k=k, sampling=run.sampling,
                 seed=run.seed, strategy=self.strategy, want_distributions=self.want_rows,
                 bonus_guesses=bonus_guesses, rejection_guesses=rejection_guesses,
+                cache_partition=run.cache_partition,
             )), passes=k + 1, catch_up=len(append))
 
         return await self._drafter_call(context, call, timeline, "lookahead")
@@ -379,6 +380,7 @@ class RunSessions:
             return verifier.score(ScoreRequest(
                 session_id=run.session_id, base_len=base, append=append, tree_tokens=list(tree.tokens),
                 tree_parents=list(tree.parents), sampling=run.settings.sampling,
+                cache_partition=run.settings.cache_partition,
             ))
 
         await self._verifier_call(committed, call, timeline, "score")
@@ -423,6 +425,7 @@ class RunSessions:
                 session_id=run.session_id, base_len=base, append=append, tree_tokens=list(tree.tokens),
                 tree_parents=list(tree.parents), method=method, params=params, sampling=run.settings.sampling,
                 text=text, deterministic=deterministic, drafter_idle=drafter_idle,
+                cache_partition=run.settings.cache_partition,
             )
             if lean:
                 request.draft_token_probs = probs

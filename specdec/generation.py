@@ -64,6 +64,9 @@ class GenerationRequest:
     # "lookup" (n-grams of the request's own tokens), "suffix" (a cache of recent requests too).
     # None → the orchestrator's draft_source setting.
     draft_source: str | None = None
+    # Requests share the engines' prefix caches only with the same caller and the same salt (checked by
+    # orchestrator.request_checks); None: the caller's shared cache.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -103,6 +106,7 @@ class GenerationStats:
     pre_draft_bonus_hits: list[int] = field(default_factory=list)  # used pre-drafts by bonus-guess rank
     pre_draft_rejection_hits: list[int] = field(default_factory=list)  # … by replacement-guess rank
     sources: dict[str, SourceStats] = field(default_factory=dict)  # by draft source (model, lookup, suffix)
+    cached_tokens: int = 0  # prompt tokens the verifier took from its prefix cache (not prefilled)
 
     @property
     def tokens_per_second(self) -> float:

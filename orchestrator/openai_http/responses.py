@@ -32,13 +32,17 @@ def error_body(message: str, error_type: str, code: str | None = None, param: st
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def usage(results: Sequence[GenerationResult], prompts: int) -> dict[str, int]:
-    """Prompt tokens counted once per distinct prompt (n samples share one), completion tokens summed."""
+def usage(results: Sequence[GenerationResult], prompts: int) -> dict[str, Any]:
+    """Prompt tokens counted once per distinct prompt (n samples share one), completion tokens summed;
+    `prompt_tokens_details.cached_tokens`: of the prompt tokens, those the verifier's prefix cache held."""
     per_prompt = len(results) // max(prompts, 1)
-    prompt_tokens = sum(r.prompt_tokens for r in results[::per_prompt]) if per_prompt else 0
+    firsts = results[::per_prompt] if per_prompt else []
+    prompt_tokens = sum(r.prompt_tokens for r in firsts)
+    cached_tokens = sum(min(r.stats.cached_tokens, r.prompt_tokens) for r in firsts)
     completion_tokens = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion(response_id: str, created: int, model: str, results: Sequence[GenerationResult],

@@ -2,8 +2,8 @@
 
 Standard fields (`max_tokens`, `temperature`, `top_p`, `n`, `stop`, `seed`, `stream`) keep the OpenAI
 meaning. Extra body fields, as vLLM takes them (`extra_body=` in the `openai` package): `top_k`,
-`ignore_eos`, and the speculative knobs `method`, `k`, `a`, `pipeline`, `draft_source`. Fields that
-would change the distribution the output is drawn from (penalties, logit_bias) or need what the
+`ignore_eos`, `cache_salt`, and the speculative knobs `method`, `k`, `a`, `pipeline`, `draft_source`.
+Fields that would change the distribution the output is drawn from (penalties, logit_bias) or need what the
 service does not compute (logprobs, echo, tools) are refused with a 400 naming the field, never
 silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
 
@@ -111,6 +111,9 @@ class _Common(BaseModel):
     a: JsonFloat | None = None
     pipeline: JsonBool | None = None
     draft_source: DraftSource = None
+    # vLLM's prefix-cache salt: requests share cached prompt blocks only with the same caller and salt
+    # (checked by orchestrator.request_checks.check_cache_salt).
+    cache_salt: Annotated[str, Strict()] | None = None
 
     def refuse_unsupported(self) -> None:
         """A 400 for a field that would change what is sampled, or asks for what is not computed."""
@@ -134,7 +137,7 @@ class _Common(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p),
             stop=stop, stop_token_ids=[] if self.ignore_eos else None, seed=self.seed,
             method=self.method or None, k=self.k, a=self.a, pipeline=self.pipeline,
-            draft_source=self.draft_source)
+            draft_source=self.draft_source, cache_salt=self.cache_salt)
 
 
 class CompletionRequest(_Common):

@@ -31,13 +31,13 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
     "Speculation": (
         "--method", "--k", "--tree-budget", "--a", "--pipeline", "--pipeline-max-k", "--bonus-guesses",
         "--rejection-guesses", "--default-method", "--default-k", "--default-a", "--draft-rows",
-        "--adaptive-k", "--draft-source"),
+        "--adaptive-k", "--draft-source", "--cache-salt"),
     "Network": ("--address", "--host", "--port", "--drafter-port", "--verifier-port", "--drafter",
                 "--verifier", "--max-message-mb", "--timeout", "--peer-timeout"),
     "HTTP API (OpenAI-compatible)": ("--http-port", "--no-http", "--served-model-name", "--chat-template"),
     "Capacity, batching and store": (
-        "--max-sessions", "--session-ttl", "--kv-cache-mb", "--admission-timeout", "--batching",
-        "--max-batch-tokens", "--batch-window-ms", "--max-active-requests", "--queue-timeout",
+        "--max-sessions", "--session-ttl", "--kv-cache-mb", "--prefix-cache-mb", "--admission-timeout",
+        "--batching", "--max-batch-tokens", "--batch-window-ms", "--max-active-requests", "--queue-timeout",
         "--request-ttl", "--max-prompt-bytes", "--store-url", "--store-timeout", "--store-outage-grace",
         "--max-requests-per-caller", "--stream-idle-timeout"),
     "Security (TLS, tokens)": (

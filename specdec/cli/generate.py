@@ -108,7 +108,8 @@ def build_request(*, prompt: str | None, prompt_ids: list[int] | None, max_new_t
                   seed: int | None, method: str | None, k: int | None, tree_budget: int | None,
                   a: float | None, pipeline: bool | None, pipeline_max_k: int | None,
                   bonus_guesses: int | None, rejection_guesses: int | None, chat: bool = False,
-                  system: str | None = None, draft_source: str | None = None) -> GenerationRequest:
+                  system: str | None = None, draft_source: str | None = None,
+                  cache_salt: str | None = None) -> GenerationRequest:
     """The request that `generate`'s options describe (one per run; samples vary only its seed).
 
     None leaves a setting to the orchestrator; --ignore-eos is an empty stop_token_ids list; --chat
@@ -128,7 +129,7 @@ def build_request(*, prompt: str | None, prompt_ids: list[int] | None, max_new_t
         stop=list(stop or []), stop_token_ids=[] if ignore_eos else None, seed=seed, method=method, k=k,
         tree_budget=tree_budget, a=a, pipeline=pipeline, pipeline_max_k=pipeline_max_k,
         pipeline_bonus_guesses=bonus_guesses, pipeline_rejection_guesses=rejection_guesses,
-        draft_source=draft_source)
+        draft_source=draft_source, cache_salt=cache_salt)
 
 
 def sample_request(request: GenerationRequest, sample: int) -> GenerationRequest:
@@ -178,6 +179,10 @@ def generate(
         "draft from the request's own n-grams or recent requests when it pays, else the draft model, else "
         "a target-only step; the others: that source alone). Default: the orchestrator's (its "
         f"$SPECDEC_DRAFT_SOURCE; {DEFAULT_DRAFT_SOURCE} unless set).", show_default=False)] = None,
+    cache_salt: Annotated[str | None, typer.Option(
+        "--cache-salt", help="Share the engines' prefix caches only with requests of the same caller and "
+        "this salt (at most 256 printable characters). Default: the caller's shared cache.",
+        show_default=False)] = None,
     tree_budget: Annotated[int | None, typer.Option(
         "--tree-budget", help="Draft-tree node budget (gsd-tree; ersd drafts a tree when given). "
         "Default: the orchestrator's.", show_default=False)] = None,
@@ -264,7 +269,7 @@ def generate(
             top_k=top_k, top_p=top_p, stop=stop, ignore_eos=ignore_eos, seed=seed, method=method, k=k,
             tree_budget=tree_budget, a=a, pipeline=pipeline, pipeline_max_k=pipeline_max_k,
             bonus_guesses=bonus_guesses, rejection_guesses=rejection_guesses, chat=chat, system=system,
-            draft_source=draft_source)
+            draft_source=draft_source, cache_salt=cache_salt)
     except ValueError as exc:  # SamplingParamsError: the line the orchestrator would answer with
         err.print(f"[bold red]error:[/] {escape(describe_error(exc))}")
         code = 1

@@ -172,6 +172,14 @@ KvCacheOpt = Annotated[float, typer.Option(
         "turned into tokens from the model's layers, KV heads, head size and dtype. Idle sessions are "
         "evicted least recently used first to stay within it; when only busy sessions hold it, a call that "
         "needs a new session waits up to --admission-timeout, then gets RESOURCE_EXHAUSTED."))]
+DEFAULT_PREFIX_CACHE_MB = 512.0
+PrefixCacheOpt = Annotated[float, typer.Option(
+    "--prefix-cache-mb", min=0.0, help=(
+        "Memory for the prefix cache, per engine (MiB; 0 = off): KV entries of earlier prompts and answers, "
+        "in blocks of 32 tokens, that a new session with the same beginning (a chat's next turn, an agent's "
+        "next step, a shared system prompt) starts from instead of prefilling it. Least recently used "
+        "blocks go first. Only requests of the same caller and cache_salt share blocks. At int8 a hit "
+        "changes no output, not even a seeded one (docs/algorithms.md §16)."))]
 AdmissionTimeoutOpt = Annotated[float, typer.Option(
     "--admission-timeout", min=0.0, help="Seconds a call that needs a new session waits for room while "
     "every session is busy and the KV budget or --max-sessions is full, before RESOURCE_EXHAUSTED.")]

@@ -44,6 +44,7 @@ from specdec.cli.options import (
     DEFAULT_ADMISSION_TIMEOUT_S,
     DEFAULT_KV_CACHE_MB,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_PREFIX_CACHE_MB,
     AdaptiveKOpt,
     AdmissionTimeoutOpt,
     AuthTokenFileOpt,
@@ -79,6 +80,7 @@ from specdec.cli.options import (
     MaxSessionsOpt,
     ModelOpt,
     PortOpt,
+    PrefixCacheOpt,
     QueueTimeoutOpt,
     ReadyFileOpt,
     RequestTtlOpt,
@@ -206,7 +208,7 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
                  threads: int | None, cores: str | None, max_message_mb: float, max_sessions: int,
                  session_ttl: float, ready_file: Path | None, log_level: str,
                  observability: ObservabilityOptions, batching: Any = None,
-                 kv_cache_mb: float = DEFAULT_KV_CACHE_MB,
+                 kv_cache_mb: float = DEFAULT_KV_CACHE_MB, prefix_cache_mb: float = 0.0,
                  admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S, security: Any = None,
                  threads_beside_drafter: int | None = None, template_limits: Any = None,
                  cuda_graphs: tuple[int, int] | None = None) -> None:
@@ -242,6 +244,10 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
         sessions = SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl,
                                  max_kv_tokens=max_kv_tokens, admission_timeout_s=admission_timeout)
         extra: dict[str, Any] = {"template_limits": template_limits} if role == "verifier" else {}
+        if prefix_cache_mb > 0:
+            from specdec.runtime.prefix_cache import PrefixStore
+
+            extra["prefix_cache"] = PrefixStore(int(prefix_cache_mb * MIB))
         if cuda_graphs is not None and loaded.device.type == "cuda":
             from specdec.runtime.kv_pool import PoolConfig
 
@@ -281,6 +287,7 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
                                            worker_initializer=serial_torch)
         info = loaded.info
         budget = f"{max_kv_tokens} KV tokens" if max_kv_tokens is not None else "no KV budget"
+        budget += f", prefix cache {prefix_cache_mb:g} MiB" if prefix_cache_mb > 0 else ", no prefix cache"
         await _announce_and_serve(
             server, bound, role=role, host=host, ready_file=ready_file, obs=obs,
             serving=f"{escape(info.model_id)} (vocab {info.vocab_size}, {info.device}, {budget})",
@@ -310,6 +317,7 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         max_sessions: MaxSessionsOpt = DEFAULT_MAX_SESSIONS,
         session_ttl: SessionTtlOpt = 600.0,
         kv_cache_mb: KvCacheOpt = DEFAULT_KV_CACHE_MB,
+        prefix_cache_mb: PrefixCacheOpt = DEFAULT_PREFIX_CACHE_MB,
         admission_timeout: AdmissionTimeoutOpt = DEFAULT_ADMISSION_TIMEOUT_S,
         ready_file: ReadyFileOpt = None,
         log_level: LogLevelOpt = "info",
@@ -356,7 +364,7 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
                      cores=cores, max_message_mb=max_message_mb, max_sessions=max_sessions,
                      session_ttl=session_ttl, ready_file=ready_file, log_level=log_level,
                      observability=observability, batching=batch, kv_cache_mb=kv_cache_mb,
-                     admission_timeout=admission_timeout, security=security,
+                     prefix_cache_mb=prefix_cache_mb, admission_timeout=admission_timeout, security=security,
                      threads_beside_drafter=threads_beside_drafter, template_limits=template_limits,
                      cuda_graphs=(kv_slots, kv_slot_tokens) if cuda_graphs else None)
 

@@ -66,6 +66,9 @@ class DraftRequest:
     # With want_distributions: park the rows at the drafter and answer each node's q of its token
     # (DraftResult.token_probs); a verify fetches whole rows only on a rejection (DraftRowsRequest).
     lean_rows: bool = False
+    # The engine's prefix cache shares KV blocks only within one partition (the orchestrator sends the
+    # caller's tenant and cache salt; specdec.runtime.prefix_cache).
+    cache_partition: str = ""
 
 
 @dataclass
@@ -81,6 +84,7 @@ class DraftResult:
     # of the parked rows, bit for bit), and the id that names the parked rows in DraftRowsRequest.
     token_probs: list[float] | None = None
     rows_id: int = 0
+    cached_tokens: int = 0  # committed tokens whose KV entries came from the prefix cache in this call
 
 
 @dataclass
@@ -117,6 +121,9 @@ class LookaheadRequest:
     want_distributions: bool = False
     bonus_guesses: int = 1
     rejection_guesses: int = 0
+    # The engine's prefix cache shares KV blocks only within one partition (the orchestrator sends the
+    # caller's tenant and cache salt; specdec.runtime.prefix_cache).
+    cache_partition: str = ""
 
 
 @dataclass
@@ -131,6 +138,7 @@ class LookaheadResult:
     branches: list[LookaheadBranch]  # bonus guesses first (likeliest first), then rejection guesses
     forward_seconds: float = 0.0
     reused_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -143,6 +151,9 @@ class ScoreRequest:
     tree_tokens: list[int]
     tree_parents: list[int]
     sampling: SamplingParams
+    # The engine's prefix cache shares KV blocks only within one partition (the orchestrator sends the
+    # caller's tenant and cache salt; specdec.runtime.prefix_cache).
+    cache_partition: str = ""
 
 
 @dataclass(frozen=True)
@@ -192,6 +203,9 @@ class VerifyRequest:
     # No drafter call runs beside this pass: a verifier sharing its cores with the drafter may use all
     # its threads for it (VerifierEngine threads_beside_drafter).
     drafter_idle: bool = False
+    # The engine's prefix cache shares KV blocks only within one partition (the orchestrator sends the
+    # caller's tenant and cache salt; specdec.runtime.prefix_cache).
+    cache_partition: str = ""
 
     @property
     def lean(self) -> bool:
@@ -239,3 +253,4 @@ class VerifyOutcome:
     # The cursor after every emitted token: the next verify's request.text. None when no text was
     # asked for, or (never expected) the engine could not make it: decode the ids instead.
     text_cursor: TextCursor | None = None
+    cached_tokens: int = 0  # committed tokens whose KV entries came from the prefix cache in this call

@@ -41,7 +41,14 @@ from specdec.engine.api import (
     LookaheadResult,
     ModelInfo,
 )
-from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
+from specdec.engine.sessions import (
+    SessionConfig,
+    SessionStore,
+    advance,
+    check_context,
+    check_partition,
+    check_tokens,
+)
 from specdec.errors import InvalidRequest, SessionGone
 from specdec.races import race
 from specdec.randomness import TorchRandomSource
@@ -50,6 +57,7 @@ from specdec.runtime.batching import ForwardBatcher
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.kv_pool import KVPool, PoolConfig, engine_pool, new_session_cache, renew_session_cache
 from specdec.runtime.loading import LoadedModel
+from specdec.runtime.prefix_cache import PrefixStore
 from specdec.runtime.scoring import prepare
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import DraftTree, max_depth, sequence_parents
@@ -68,10 +76,14 @@ class DrafterEngine:
     def __init__(
         self, loaded: LoadedModel, sessions: SessionConfig | None = None, clock=time.monotonic,
         batching: BatchConfig | None = None, kv_pool: PoolConfig | None = None,
+        prefix_cache: PrefixStore | None = None,
     ) -> None:
         """`kv_pool`: on CUDA, sessions' caches live in one preallocated pool and passes replay
-        captured CUDA graphs (specdec.runtime.kv_pool); None, or a model off CUDA: eager caches."""
+        captured CUDA graphs (specdec.runtime.kv_pool); None, or a model off CUDA: eager caches.
+        `prefix_cache`: KV blocks of earlier sessions' prefixes that a new context starts from
+        (specdec.runtime.prefix_cache); None: every context is prefilled."""
         self.loaded = loaded
+        self.prefix_cache = prefix_cache
         self.batching = batching or BatchConfig()
         # Runs every session's passes; concurrent calls from different sessions share them.
         self._batcher = ForwardBatcher(loaded.model, self.batching, compute=loaded.compute)
@@ -91,7 +103,7 @@ class DrafterEngine:
         return renew_session_cache(old, self.loaded.model, self.pool, self._batcher)
 
     def _new_cache(self) -> TreeKVCache:
-        return new_session_cache(self.loaded.model, self.pool, self._batcher)
+        return new_session_cache(self.loaded.model, self.pool, self._batcher, self.prefix_cache)
 
     def info(self) -> ModelInfo:
         return self.loaded.info
@@ -100,8 +112,12 @@ class DrafterEngine:
         return self.sessions.release(session_id)
 
     def stats(self) -> dict[str, int]:
-        """Counters for metrics: the session store's (sessions, evictions, …) and the batcher's."""
-        return {**self.sessions.stats(), **self._batcher.counters()}
+        """Counters for metrics: the session store's (sessions, evictions, …), the batcher's and the
+        prefix cache's."""
+        stats = {**self.sessions.stats(), **self._batcher.counters()}
+        if self.prefix_cache is not None:
+            stats.update(self.prefix_cache.stats())
+        return stats
 
     # ------------------------------------------------------------------------------------------
     def draft(self, request: DraftRequest) -> DraftResult:
@@ -116,6 +132,7 @@ class DrafterEngine:
             check_tokens("append", request.append, vocab)
             check_context(len(committed) + depth, self.loaded.info.max_context)
             session.committed = committed
+            session.kv.set_partition(request.cache_partition)
             try:
                 return self._draft(session, committed, shape, request)
             except BaseException:
@@ -132,7 +149,7 @@ class DrafterEngine:
         forward_seconds = 0.0
 
         start = time.perf_counter()
-        reused, pending = prepare(kv, committed)  # may prefill a long run of new tokens
+        reused, pending, restored = prepare(kv, committed)  # may prefill a long run of new tokens
         root_logits = kv.extend_chain(pending)[-1]
         forward_seconds += time.perf_counter() - start
 
@@ -217,13 +234,15 @@ class DrafterEngine:
             self._parked[request.session_id] = session
             probs = token_probs(DraftTree(tuple(tokens), tuple(parents)), draft_probs)
             return DraftResult(tokens=tokens, parents=parents, forward_seconds=forward_seconds,
-                               reused_tokens=reused, token_probs=probs, rows_id=rows_id)
+                               reused_tokens=reused, token_probs=probs, rows_id=rows_id,
+                               cached_tokens=restored)
         return DraftResult(
             tokens=tokens,
             parents=parents,
             draft_probs=draft_probs,
             forward_seconds=forward_seconds,
             reused_tokens=reused,
+            cached_tokens=restored,
         )
 
 
@@ -252,6 +271,7 @@ class DrafterEngine:
                 raise InvalidRequest("rejection_guesses: the context must hold the prefix and the block")
             check_context(len(context) + 1 + request.k, info.max_context)
             session.committed = context
+            session.kv.set_partition(request.cache_partition)
             try:
                 return self._lookahead(session, context, request)
             except BaseException:
@@ -276,7 +296,7 @@ class DrafterEngine:
         # Rows after C (bonus guesses) and, when asked, after C[:-1] (rejection guesses): one pass.
         with_previous = request.rejection_guesses > 0
         began = time.perf_counter()
-        reused, pending = prepare(kv, context[:-1] if with_previous else context)
+        reused, pending, restored = prepare(kv, context[:-1] if with_previous else context)
         forward_seconds += time.perf_counter() - began
         if with_previous:
             pending = pending + [context[-1]]
@@ -346,7 +366,8 @@ class DrafterEngine:
                 if request.want_distributions else None
             draft = DraftResult(tokens=tokens, parents=sequence_parents(len(tokens)), draft_probs=probs)
             branches.append(LookaheadBranch(replaces_last=replaces_last, token=token, draft=draft))
-        return LookaheadResult(branches=branches, forward_seconds=forward_seconds, reused_tokens=reused)
+        return LookaheadResult(branches=branches, forward_seconds=forward_seconds, reused_tokens=reused,
+                               cached_tokens=restored)
 
 
 def _rows_on_cpu(rows: dict[int, torch.Tensor], count: int, vocab: int) -> torch.Tensor:
@@ -373,6 +394,7 @@ def _check_drafting(request: DraftRequest | LookaheadRequest) -> None:
         raise InvalidRequest("sampling must be a SamplingParams")
     if not isinstance(request.seed, int):
         raise InvalidRequest(f"seed must be an integer, got {request.seed!r}")
+    check_partition(request.cache_partition)
 
 
 def _check_request(request: DraftRequest) -> list[int]:

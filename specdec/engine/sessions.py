@@ -421,6 +421,16 @@ def check_tokens(field_name: str, tokens: list[int], vocab_size: int) -> None:
         raise InvalidRequest(f"{field_name} holds token ids outside [0, {vocab_size}): {bad[:8]}")
 
 
+# The longest prefix-cache partition an engine takes (the orchestrator's is the caller's identity digest
+# and a salt of at most orchestrator.request_checks.MAX_CACHE_SALT_CHARS).
+MAX_PARTITION_CHARS = 1024
+
+
+def check_partition(partition: str) -> None:
+    if not isinstance(partition, str) or len(partition) > MAX_PARTITION_CHARS:
+        raise InvalidRequest(f"cache_partition must be a string of at most {MAX_PARTITION_CHARS} characters")
+
+
 def check_context(needed: int, max_context: int) -> None:
     """`needed` = committed length + tree depth: the positions this call would occupy."""
     if max_context > 0 and needed > max_context:

@@ -41,7 +41,14 @@ from specdec.engine.api import (
     VerifyOutcome,
     VerifyRequest,
 )
-from specdec.engine.sessions import SessionConfig, SessionStore, advance, check_context, check_tokens
+from specdec.engine.sessions import (
+    SessionConfig,
+    SessionStore,
+    advance,
+    check_context,
+    check_partition,
+    check_tokens,
+)
 from specdec.errors import ContextTooLong, InvalidRequest
 from specdec.generation import CHAT_ROLES, ChatMessage
 from specdec.methods import DETERMINISTIC_METHOD_NAMES, Method, verification_method
@@ -53,6 +60,7 @@ from specdec.runtime.detokenize import check_cursor, detokenize
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.kv_pool import KVPool, PoolConfig, engine_pool, new_session_cache, renew_session_cache
 from specdec.runtime.loading import LoadedModel
+from specdec.runtime.prefix_cache import PrefixStore
 from specdec.runtime.scoring import TreeScore, commit_path, score_tree
 from specdec.runtime.text_bounds import max_bytes_per_token
 from specdec.sampling import SamplingParams, warp_logits
@@ -97,14 +105,18 @@ class VerifierEngine:
         threads: ThreadWidths | None = None,
         template_limits: TemplateLimits | None = None,
         kv_pool: PoolConfig | None = None,
+        prefix_cache: PrefixStore | None = None,
     ) -> None:
         """`verify_fn` defaults to specdec.verification.dispatch.verify (tests may swap it).
         `threads`: a verifier that shares cores with the drafter runs a pass with all its threads only
         when the request says the drafter is idle (VerifyRequest.drafter_idle); None: never changes them.
         `template_limits`: what a caller-supplied chat template may cost (specdec.runtime.chat_template).
         `kv_pool`: on CUDA, sessions' caches live in one preallocated pool and passes replay captured
-        CUDA graphs (specdec.runtime.kv_pool); None, or a model off CUDA: eager caches."""
+        CUDA graphs (specdec.runtime.kv_pool); None, or a model off CUDA: eager caches.
+        `prefix_cache`: KV blocks of earlier sessions' prefixes that a new prompt starts from
+        (specdec.runtime.prefix_cache); None: every prompt is prefilled."""
         self.loaded = loaded
+        self.prefix_cache = prefix_cache
         self.batching = batching or BatchConfig()
         # Runs every session's passes; concurrent calls from different sessions share them.
         self._batcher = ForwardBatcher(loaded.model, self.batching, threads=threads, compute=loaded.compute)
@@ -132,7 +144,7 @@ class VerifierEngine:
         return renew_session_cache(old, self.loaded.model, self.pool, self._batcher)
 
     def _new_cache(self) -> TreeKVCache:
-        return new_session_cache(self.loaded.model, self.pool, self._batcher)
+        return new_session_cache(self.loaded.model, self.pool, self._batcher, self.prefix_cache)
 
     # plain calls ----------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -147,6 +159,8 @@ class VerifierEngine:
         stats = {**self.sessions.stats(), **self._batcher.counters()}
         stats.update(score_hits=self.score_hits, late_scores=self.late_scores,
                      draft_rows_requests=self.draft_rows_requests)
+        if self.prefix_cache is not None:
+            stats.update(self.prefix_cache.stats())
         return stats
 
     def tokenize(self, text: str) -> list[int]:
@@ -234,9 +248,11 @@ class VerifierEngine:
         """Run the forward pass for (committed + tree) now; returns when its rows are parked."""
         tree = self._tree(request.tree_tokens, request.tree_parents)
         _check_sampling(request.sampling)
+        check_partition(request.cache_partition)
         self._check_length(request.append, tree)
         with self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member():
             committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
+            session.kv.set_partition(request.cache_partition)
             key = _key(committed, tree)
             if session.last_verified == key:
                 self.late_scores += 1
@@ -253,6 +269,7 @@ class VerifierEngine:
     def verify(self, request: VerifyRequest) -> VerifyOutcome:
         tree = self._tree(request.tree_tokens, request.tree_parents)
         _check_sampling(request.sampling)
+        check_partition(request.cache_partition)
         self._check_length(request.append, tree)
         try:
             method = verification_method(request.method)
@@ -264,6 +281,7 @@ class VerifierEngine:
         with (self.sessions.use(request.session_id, request.base_len) as session, self._batcher.member(),
               self._batcher.drafter_idle(request.drafter_idle)):
             committed = self._committed(session, request.session_id, request.base_len, request.append, tree)
+            session.kv.set_partition(request.cache_partition)
             if request.text is not None:
                 try:
                     check_cursor(request.text, len(committed))
@@ -330,6 +348,7 @@ class VerifierEngine:
                 forward_seconds=forward_seconds,
                 verify_seconds=verify_seconds,
                 reused_tokens=score.reused,
+                cached_tokens=score.restored,  # once: the retry of a lean verify decides, as here
                 extra={"pending_tokens": float(score.pending_len), "score_reused": float(reused),
                        **_pass_extra(shapes)},
             )

@@ -144,6 +144,7 @@ def draft_request_to_proto(req: DraftRequest) -> drafter_pb2.DraftRequest:
         want_distributions=bool(req.want_distributions),
         include_leaf_rows=bool(req.include_leaf_rows),
         lean_rows=bool(req.lean_rows),
+        cache_partition=req.cache_partition,
     )
 
 
@@ -159,6 +160,7 @@ def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> DraftRequest:
         want_distributions=msg.want_distributions,
         include_leaf_rows=msg.include_leaf_rows,
         lean_rows=msg.lean_rows,
+        cache_partition=msg.cache_partition,
     )
 
 
@@ -170,6 +172,7 @@ def draft_result_to_proto(result: DraftResult) -> drafter_pb2.DraftResult:
         reused_tokens=int(result.reused_tokens),
         token_probs=[float(p) for p in result.token_probs or ()],
         rows_id=to_uint64(result.rows_id, "rows_id"),
+        cached_tokens=int(result.cached_tokens),
     )
     if result.draft_probs is not None:
         msg.draft_probs.CopyFrom(tensor_to_proto(result.draft_probs, "draft_probs"))
@@ -185,6 +188,7 @@ def draft_result_from_proto(msg: drafter_pb2.DraftResult) -> DraftResult:
         reused_tokens=msg.reused_tokens,
         token_probs=list(msg.token_probs) if msg.rows_id else None,
         rows_id=msg.rows_id,
+        cached_tokens=msg.cached_tokens,
     )
 
 
@@ -209,6 +213,7 @@ def lookahead_request_to_proto(req: LookaheadRequest) -> drafter_pb2.LookaheadRe
         want_distributions=bool(req.want_distributions),
         bonus_guesses=int(req.bonus_guesses),
         rejection_guesses=int(req.rejection_guesses),
+        cache_partition=req.cache_partition,
     )
 
 
@@ -224,12 +229,14 @@ def lookahead_request_from_proto(msg: drafter_pb2.LookaheadRequest) -> Lookahead
         want_distributions=msg.want_distributions,
         bonus_guesses=msg.bonus_guesses if msg.HasField("bonus_guesses") else 1,
         rejection_guesses=msg.rejection_guesses,
+        cache_partition=msg.cache_partition,
     )
 
 
 def lookahead_result_to_proto(result: LookaheadResult) -> drafter_pb2.LookaheadResult:
     msg = drafter_pb2.LookaheadResult(
-        forward_seconds=float(result.forward_seconds), reused_tokens=int(result.reused_tokens)
+        forward_seconds=float(result.forward_seconds), reused_tokens=int(result.reused_tokens),
+        cached_tokens=int(result.cached_tokens),
     )
     for branch in result.branches:
         entry = msg.branches.add(
@@ -258,7 +265,7 @@ def lookahead_result_from_proto(msg: drafter_pb2.LookaheadResult) -> LookaheadRe
         draft = DraftResult(tokens=tokens, parents=sequence_parents(len(tokens)), draft_probs=probs)
         branches.append(LookaheadBranch(replaces_last=entry.replaces_last, token=entry.token, draft=draft))
     return LookaheadResult(branches=branches, forward_seconds=msg.forward_seconds,
-                           reused_tokens=msg.reused_tokens)
+                           reused_tokens=msg.reused_tokens, cached_tokens=msg.cached_tokens)
 
 
 # ------------------------------------------------------------------------------ score/verify
@@ -272,6 +279,7 @@ def score_request_to_proto(req: ScoreRequest) -> verifier_pb2.ScoreRequest:
         tree_tokens=to_ints(req.tree_tokens, "tree_tokens"),
         tree_parents=to_ints(req.tree_parents, "tree_parents"),
         sampling=sampling_to_proto(req.sampling),
+        cache_partition=req.cache_partition,
     )
 
 
@@ -283,6 +291,7 @@ def score_request_from_proto(msg: verifier_pb2.ScoreRequest) -> ScoreRequest:
         tree_tokens=list(msg.tree_tokens),
         tree_parents=list(msg.tree_parents),
         sampling=sampling_from_proto(msg.sampling, msg.HasField("sampling")),
+        cache_partition=msg.cache_partition,
     )
 
 
@@ -298,6 +307,7 @@ def verify_request_to_proto(req: VerifyRequest) -> verifier_pb2.VerifyRequest:
         sampling=sampling_to_proto(req.sampling),
         deterministic=bool(req.deterministic),
         drafter_idle=bool(req.drafter_idle),
+        cache_partition=req.cache_partition,
     )
     if req.draft_probs is not None:
         msg.draft_probs.CopyFrom(tensor_to_proto(req.draft_probs, "draft_probs"))
@@ -328,6 +338,7 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> VerifyRequest:
         text=text_cursor_from_proto(msg.text) if msg.HasField("text") else None,
         deterministic=msg.deterministic,
         drafter_idle=msg.drafter_idle,
+        cache_partition=msg.cache_partition,
     )
     lean = req.lean_draft()
     if lean is not None:
@@ -348,6 +359,7 @@ def verify_outcome_to_proto(outcome: VerifyOutcome) -> verifier_pb2.VerifyOutcom
         forward_seconds=float(outcome.forward_seconds),
         verify_seconds=float(outcome.verify_seconds),
         reused_tokens=int(outcome.reused_tokens),
+        cached_tokens=int(outcome.cached_tokens),
         extra={str(k): float(v) for k, v in outcome.extra.items()},
         draft_rows_needed=to_ints(outcome.draft_rows_needed, "draft_rows_needed"),
         text_pieces=list(outcome.text_pieces),
@@ -368,6 +380,7 @@ def verify_outcome_from_proto(msg: verifier_pb2.VerifyOutcome) -> VerifyOutcome:
         forward_seconds=msg.forward_seconds,
         verify_seconds=msg.verify_seconds,
         reused_tokens=msg.reused_tokens,
+        cached_tokens=msg.cached_tokens,
         extra=dict(msg.extra),
         draft_rows_needed=list(msg.draft_rows_needed),
         text_pieces=list(msg.text_pieces),

@@ -105,6 +105,8 @@ def generation_request_to_proto(req: GenerationRequest) -> generation_pb2.Genera
         msg.messages.extend(chat_messages_to_proto(req.messages))
     if req.draft_source is not None:
         msg.draft_source = req.draft_source
+    if req.cache_salt is not None:
+        msg.cache_salt = req.cache_salt
     return msg
 
 
@@ -141,6 +143,7 @@ def generation_request_from_proto(msg: generation_pb2.GenerationRequest) -> Gene
         ),
         messages=chat_messages_from_proto(msg.messages) if msg.messages else None,
         draft_source=msg.draft_source if msg.HasField("draft_source") else None,
+        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
     )
 
 
@@ -182,6 +185,7 @@ def generation_stats_to_proto(stats: GenerationStats) -> generation_pb2.Generati
         sources={name: generation_pb2.SourceStats(drafts=int(s.drafts), drafted_tokens=int(s.drafted_tokens),
                                                   accepted_tokens=int(s.accepted_tokens))
                  for name, s in stats.sources.items()},
+        cached_tokens=int(stats.cached_tokens),
     )
 
 
@@ -207,6 +211,7 @@ def generation_stats_from_proto(msg: generation_pb2.GenerationStats) -> Generati
         sources={name: SourceStats(drafts=s.drafts, drafted_tokens=s.drafted_tokens,
                                    accepted_tokens=s.accepted_tokens)
                  for name, s in msg.sources.items()},
+        cached_tokens=msg.cached_tokens,
     )
 
 

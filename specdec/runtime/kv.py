@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from specdec.runtime.prefix_cache import PrefixLink, block_keys, next_key, root_key
 from specdec.trees import sequence_parents
 
 
@@ -146,6 +147,9 @@ class TreeKVCache:
         # Runs this cache's passes, possibly batched with other caches' (specdec.runtime.batching);
         # None: each pass runs here, under `lock`.
         self.runner = runner
+        # The engine's prefix cache (specdec.runtime.prefix_cache): where the prefix's full blocks
+        # are published and a new prompt's cached blocks come from; None: no prefix cache.
+        self.prefix_link: PrefixLink | None = None
         self.cache = growing_cache(model.config)
         self.prefix: list[int] = []
         self.block_tokens: list[int] = []
@@ -194,6 +198,8 @@ class TreeKVCache:
         self._keep_first(length)
         self.prefix = self.prefix[:length]
         self._clear_block()
+        if self.prefix_link is not None:
+            del self.prefix_link.published[length // self.prefix_link.store.block_tokens:]
 
     def settle(self, path: Sequence[int]) -> None:
         """Make the chain of block entries `path` (from the prefix's end down) part of the prefix.
@@ -213,6 +219,7 @@ class TreeKVCache:
         self._keep_first(start + len(path))
         self.prefix = self.prefix + [self.block_tokens[e] for e in path]
         self._clear_block()
+        self.publish()
 
     def _clear_block(self) -> None:
         self.block_tokens = []
@@ -373,6 +380,7 @@ class TreeKVCache:
         self.prefix = self.prefix + tokens
         if self.physical_len() != self.prefix_len:
             raise CacheError("the model did not append one cache entry per input token")
+        self.publish()
 
     def extend_chain(self, tokens: Sequence[int], rows_from: int | None = None) -> torch.Tensor:
         """Append a causal chain at the prefix's end (empty block only); by default only the last row."""
@@ -380,3 +388,69 @@ class TreeKVCache:
             raise CacheError("extend_chain needs an empty block")
         n = len(tokens)
         return self.extend(tokens, sequence_parents(n), n - 1 if rows_from is None else rows_from)
+
+    # prefix cache ---------------------------------------------------------------------------------
+    def set_partition(self, partition: str) -> None:
+        """The prefix-cache partition of this call's session (specdec.runtime.prefix_cache)."""
+        if self.prefix_link is not None:
+            self.prefix_link.repartition(partition)
+
+    def restore_prefix(self, tokens: Sequence[int]) -> int:
+        """Extend the prefix along `tokens` (committed tokens, beginning with the prefix) with the
+        engine's cached blocks, as far as they go (empty block only); returns the tokens gained.
+
+        Only worth a lookup when at least a block's worth of `tokens` is not cached here. The
+        entries from the last block boundary on are taken from the store too: at int8 they are
+        bitwise what this cache holds (docs/algorithms.md §15), elsewhere within rounding.
+        """
+        link = self.prefix_link
+        if link is None or self.block_len:
+            return 0
+        size, have = link.store.block_tokens, self.prefix_len
+        if len(tokens) - have < size or self.common_prefix(tokens) < have:
+            return 0
+        first = have // size
+        keys = block_keys(link.partition, tokens, size)
+        found = link.store.lookup(keys[first:])
+        end = (first + len(found)) * size
+        if end <= have:
+            return 0
+        self.truncate(first * size)
+        states = [(torch.cat([block.states[i][0] for block in found], dim=-2),
+                   torch.cat([block.states[i][1] for block in found], dim=-2))
+                  for i in range(len(found[0].states))]
+        self.append_prefix([int(t) for t in tokens[first * size:end]], states)
+        link.published[:] = keys[:first + len(found)]  # this prefix's blocks up to `end` are offered
+        return end - have
+
+    def append_prefix(self, tokens: Sequence[int], states: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> None:
+        """Append entries computed elsewhere (keys and values [1, heads, n, dim] per layer) as prefix
+        tokens (empty block only)."""
+        if self.block_len:
+            raise CacheError("append_prefix needs an empty block")
+        self.append_layer_entries(states)
+        self.prefix = self.prefix + list(tokens)
+        if self.physical_len() != self.prefix_len:
+            raise CacheError("appended entries and tokens disagree")
+
+    def publish(self) -> None:
+        """Offer the prefix's full blocks not offered yet to the engine's prefix cache (copies of
+        them: this cache goes on changing its own buffers)."""
+        link = self.prefix_link
+        if link is None:
+            return
+        size, published = link.store.block_tokens, link.published
+        full = self.prefix_len // size
+        if len(published) >= full:
+            return
+        key = published[-1] if published else root_key(link.partition)
+        states = None
+        for index in range(len(published), full):
+            begin, end = index * size, (index + 1) * size
+            key = next_key(key, self.prefix[begin:end])
+            if key not in link.store:
+                states = states or self.layer_states()
+                link.store.store(key, [(keys[..., begin:end, :].clone(), values[..., begin:end, :].clone())
+                                       for keys, values in states])  # type: ignore[misc]
+            published.append(key)

@@ -40,6 +40,7 @@ import torch
 
 from specdec.runtime.batch_config import DEFAULT_POOL_SLOTS, DEFAULT_SLOT_TOKENS
 from specdec.runtime.kv import CacheError, ExtendPlan, TreeKVCache, additive_mask, model_device_dtype
+from specdec.runtime.prefix_cache import PrefixLink, PrefixStore
 
 log = logging.getLogger(__name__)
 
@@ -339,16 +340,24 @@ def engine_pool(model, config: PoolConfig | None, compute=None) -> KVPool | None
     return pool
 
 
-def new_session_cache(model, pool: KVPool | None, runner=None) -> TreeKVCache:
-    """A session's cache: a slot of `pool` when there is one with a slot free, else eager."""
-    return pool.new_cache(runner=runner) if pool is not None else TreeKVCache(model, runner=runner)
+def new_session_cache(model, pool: KVPool | None, runner=None, prefix_store: PrefixStore | None = None,
+                      partition: str = "") -> TreeKVCache:
+    """A session's cache: a slot of `pool` when there is one with a slot free, else eager; tied to the
+    engine's prefix cache when it has one."""
+    kv = pool.new_cache(runner=runner) if pool is not None else TreeKVCache(model, runner=runner)
+    if prefix_store is not None:
+        kv.prefix_link = PrefixLink(prefix_store, partition)
+    return kv
 
 
 def renew_session_cache(old: TreeKVCache, model, pool: KVPool | None, runner=None) -> TreeKVCache:
     """A fresh cache for a session whose cache is in an unknown state (its slot goes back first)."""
     if isinstance(old, PooledTreeKVCache):
         old.close()
-    return new_session_cache(model, pool, runner)
+    link = old.prefix_link
+    if link is None:
+        return new_session_cache(model, pool, runner)
+    return new_session_cache(model, pool, runner, link.store, link.partition)
 
 
 class PooledTreeKVCache(TreeKVCache):
@@ -430,6 +439,19 @@ class PooledTreeKVCache(TreeKVCache):
             self.runner.alone(run)
         else:
             run()
+        self.length += len(tokens)
+        self.prefix = self.prefix + [int(t) for t in tokens]
+        self.publish()
+
+    def append_prefix(self, tokens: Sequence[int], states: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> None:
+        if self.pooled and self.length + len(tokens) > self.pool.config.slot_tokens:
+            self._spill()
+        if not self.pooled:
+            return super().append_prefix(tokens, states)
+        if self.block_len:
+            raise CacheError("append_prefix needs an empty block")
+        self.append_layer_entries(states)
         self.length += len(tokens)
         self.prefix = self.prefix + [int(t) for t in tokens]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -23,17 +24,23 @@ class TreeScore:
     logits: torch.Tensor  # float32 [n + 1, V], verification row layout
     pending_len: int  # committed tokens forwarded with the tree in this pass (>= 1)
     reused: int  # committed tokens whose cache entries were reused
+    restored: int = 0  # of which taken from the engine's prefix cache in this call
 
 
 MAX_PENDING = 32  # longer runs of uncached committed tokens are prefilled in a separate pass
 
 
-def prepare(
-    kv: TreeKVCache, committed: Sequence[int], max_pending: int = MAX_PENDING
-) -> tuple[int, list[int]]:
-    """Roll the cache back to the longest reusable prefix of `committed`.
+class Prepared(NamedTuple):
+    reused: int  # committed tokens whose entries the cache holds (restored ones included)
+    pending: list[int]  # committed tokens still to forward (at least the last)
+    restored: int  # entries taken from the engine's prefix cache (specdec.runtime.prefix_cache)
 
-    Returns (reused, pending): the last committed token is always pending so that its logits
+
+def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int = MAX_PENDING) -> Prepared:
+    """Roll the cache back to the longest reusable prefix of `committed`, then extend it with the
+    engine's cached blocks of the rest (TreeKVCache.restore_prefix).
+
+    The last committed token is always pending so that its logits
     (the distribution of the next token) come out of the next forward pass. When more than
     `max_pending` tokens are uncached (a new prompt), all but the last are prefilled first with
     the model's plain causal mask, so no [q, kv] tree mask the size of the prompt is built;
@@ -43,11 +50,13 @@ def prepare(
         raise ValueError("the committed sequence must hold at least one token")
     reused = min(kv.common_prefix(committed), len(committed) - 1)
     kv.truncate(reused)
+    restored = kv.restore_prefix(committed[:-1])
+    reused = kv.prefix_len
     pending = list(committed[reused:])
     if len(pending) > max(1, max_pending):
         kv.prefill(pending[:-1])
         pending = pending[-1:]
-    return reused, pending
+    return Prepared(reused, pending, restored)
 
 
 def tree_block(pending_len: int, tree: DraftTree) -> list[int]:
@@ -61,10 +70,10 @@ def score_tree(
     kv: TreeKVCache, committed: Sequence[int], tree: DraftTree, max_pending: int = MAX_PENDING
 ) -> TreeScore:
     """One forward pass over the pending committed tokens and every tree node."""
-    reused, pending = prepare(kv, committed, max_pending)
+    reused, pending, restored = prepare(kv, committed, max_pending)
     tokens = pending + list(tree.tokens)
     logits = kv.extend(tokens, tree_block(len(pending), tree), rows_from=len(pending) - 1)
-    return TreeScore(logits=logits, pending_len=len(pending), reused=reused)
+    return TreeScore(logits=logits, pending_len=len(pending), reused=reused, restored=restored)
 
 
 def commit_path(kv: TreeKVCache, pending_len: int, accepted_nodes: Sequence[int]) -> None:

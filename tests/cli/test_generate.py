@@ -21,17 +21,18 @@ ENV = {"COLUMNS": "200", "NO_COLOR": "1", "SPECDEC_ADDRESS": None}
 EVERY_OPTION = dict(
     prompt="def f", prompt_ids=None, max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9,
     stop=["a", "b"], ignore_eos=True, seed=5, method="rd", k=6, tree_budget=9, a=0.3, pipeline=False,
-    pipeline_max_k=4, bonus_guesses=2, rejection_guesses=1, draft_source="lookup",
+    pipeline_max_k=4, bonus_guesses=2, rejection_guesses=1, draft_source="lookup", cache_salt="salt",
 )
 EVERY_FIELD = GenerationRequest(
     prompt="def f", prompt_ids=None, max_new_tokens=7, sampling=SamplingParams(0.5, 3, 0.9), stop=["a", "b"],
     stop_token_ids=[], seed=5, method="rd", k=6, a=0.3, tree_budget=9, pipeline=False, pipeline_max_k=4,
-    pipeline_bonus_guesses=2, pipeline_rejection_guesses=1, draft_source="lookup",
+    pipeline_bonus_guesses=2, pipeline_rejection_guesses=1, draft_source="lookup", cache_salt="salt",
 )
 EVERY_FLAG = ["--max-new-tokens", "7", "--temperature", "0.5", "--top-k", "3", "--top-p", "0.9",
               "--stop", "a", "--stop", "b", "--ignore-eos", "--seed", "5", "--method", "rd", "--k", "6",
               "--tree-budget", "9", "--a", "0.3", "--no-pipeline", "--pipeline-max-k", "4",
-              "--bonus-guesses", "2", "--rejection-guesses", "1", "--draft-source", "lookup"]
+              "--bonus-guesses", "2", "--rejection-guesses", "1", "--draft-source", "lookup",
+              "--cache-salt", "salt"]
 
 
 @pytest.fixture

@@ -180,7 +180,8 @@ def test_verify_request_with_bad_tensor_names_the_field() -> None:
 def test_draft_request_round_trip(
     session, base_len, append, shape, params, seed, strategy, want, leaf
 ) -> None:
-    req = DraftRequest(session, base_len, append, shape, params, seed, strategy, want, leaf)
+    req = DraftRequest(session, base_len, append, shape, params, seed, strategy, want, leaf,
+                       cache_partition=session[::-1])
     assert_same(convert.draft_request_from_proto(via_bytes(convert.draft_request_to_proto(req))), req)
 
 
@@ -199,7 +200,8 @@ def test_draft_request_round_trip(
 )
 def test_lookahead_request_round_trip(session, base_len, append, k, params, seed, strategy, want, bonus,
                                       rejection) -> None:
-    req = LookaheadRequest(session, base_len, append, k, params, seed, strategy, want, bonus, rejection)
+    req = LookaheadRequest(session, base_len, append, k, params, seed, strategy, want, bonus, rejection,
+                           cache_partition=session[::-1])
     back = convert.lookahead_request_from_proto(via_bytes(convert.lookahead_request_to_proto(req)))
     assert_same(back, req)
 
@@ -226,7 +228,7 @@ def lookahead_branches(draw):
 @given(branches=st.lists(lookahead_branches(), max_size=4), fwd=non_negative, reused=st.integers(0, 10**6))
 def test_lookahead_result_round_trip(branches, fwd, reused) -> None:
     """The leaf rows (zero by the layout) stay off the wire and come back as zeros."""
-    result = LookaheadResult(branches, fwd, reused)
+    result = LookaheadResult(branches, fwd, reused, cached_tokens=reused // 3)
     msg = convert.lookahead_result_to_proto(result)
     for entry, branch in zip(msg.branches, branches, strict=True):
         if branch.draft.draft_probs is not None:
@@ -268,7 +270,7 @@ def test_seed_out_of_range_is_invalid(seed: int) -> None:
     reused=st.integers(0, 10**6),
 )
 def test_draft_result_round_trip(toks, pars, rows, fwd, reused) -> None:
-    result = DraftResult(toks, pars, rows, fwd, reused)
+    result = DraftResult(toks, pars, rows, fwd, reused, cached_tokens=reused // 3)
     assert_same(convert.draft_result_from_proto(via_bytes(convert.draft_result_to_proto(result))), result)
 
 
@@ -282,7 +284,7 @@ def test_draft_result_round_trip(toks, pars, rows, fwd, reused) -> None:
     params=sampling,
 )
 def test_score_request_round_trip(session, base_len, append, tree, pars, params) -> None:
-    req = ScoreRequest(session, base_len, append, tree, pars, params)
+    req = ScoreRequest(session, base_len, append, tree, pars, params, cache_partition=session[::-1])
     assert_same(convert.score_request_from_proto(via_bytes(convert.score_request_to_proto(req))), req)
 
 
@@ -301,7 +303,8 @@ def test_score_request_round_trip(session, base_len, append, tree, pars, params)
 def test_verify_request_round_trip(
     session, base_len, append, tree, pars, method, mparams, params, rows
 ) -> None:
-    req = VerifyRequest(session, base_len, append, tree, pars, method, mparams, params, rows)
+    req = VerifyRequest(session, base_len, append, tree, pars, method, mparams, params, rows,
+                        cache_partition=session[::-1])
     assert_same(convert.verify_request_from_proto(via_bytes(convert.verify_request_to_proto(req))), req)
 
 
@@ -390,7 +393,8 @@ def test_a_lean_verify_is_far_smaller_on_the_wire() -> None:
 )
 def test_verify_outcome_round_trip(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra,
                                    needed) -> None:
-    outcome = VerifyOutcome(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra, needed)
+    outcome = VerifyOutcome(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra, needed,
+                            cached_tokens=reused // 2)
     assert_same(
         convert.verify_outcome_from_proto(via_bytes(convert.verify_outcome_to_proto(outcome))), outcome
     )
@@ -421,6 +425,7 @@ generation_requests = st.builds(
     pipeline_max_k=st.one_of(st.none(), st.integers(0, 64)),
     pipeline_bonus_guesses=st.one_of(st.none(), st.integers(0, 16)),
     pipeline_rejection_guesses=st.one_of(st.none(), st.integers(0, 16)),
+    cache_salt=st.one_of(st.none(), st.text(max_size=8)),
 )
 
 
@@ -495,6 +500,7 @@ stats = st.builds(
     pre_drafts_dropped=st.integers(0, 10**6),
     pre_draft_bonus_hits=st.lists(st.integers(0, 10**6), max_size=4),
     pre_draft_rejection_hits=st.lists(st.integers(0, 10**6), max_size=4),
+    cached_tokens=st.integers(0, 10**6),
 )
 results = st.builds(
     GenerationResult,

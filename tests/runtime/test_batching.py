@@ -26,7 +26,7 @@ JOIN_S = 60
 
 def _plan_tree(kv: TreeKVCache, committed: list[int], tree: DraftTree):
     """What score_tree would run, as a plan (the cache is brought to `committed` first)."""
-    reused, pending = prepare(kv, committed)
+    reused, pending, _ = prepare(kv, committed)
     tokens = pending + list(tree.tokens)
     return pending, kv.plan(tokens, tree_block(len(pending), tree), rows_from=len(pending) - 1)
 

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "shape_parents", "sampling", "seed", "strategy", "want_distributions", "include_leaf_rows", "lean_rows")
+    __slots__ = ("session_id", "base_len", "append", "shape_parents", "sampling", "seed", "strategy", "want_distributions", "include_leaf_rows", "lean_rows", "cache_partition")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class DraftRequest(_message.Message):
     WANT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_LEAF_ROWS_FIELD_NUMBER: _ClassVar[int]
     LEAN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PARTITION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -31,10 +32,11 @@ class DraftRequest(_message.Message):
     want_distributions: bool
     include_leaf_rows: bool
     lean_rows: bool
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., shape_parents: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., want_distributions: _Optional[bool] = ..., include_leaf_rows: _Optional[bool] = ..., lean_rows: _Optional[bool] = ...) -> None: ...
+    cache_partition: str
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., shape_parents: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., want_distributions: _Optional[bool] = ..., include_leaf_rows: _Optional[bool] = ..., lean_rows: _Optional[bool] = ..., cache_partition: _Optional[str] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("tokens", "parents", "draft_probs", "forward_seconds", "reused_tokens", "token_probs", "rows_id")
+    __slots__ = ("tokens", "parents", "draft_probs", "forward_seconds", "reused_tokens", "token_probs", "rows_id", "cached_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +44,7 @@ class DraftResult(_message.Message):
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     ROWS_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _common_pb2.Tensor
@@ -49,7 +52,8 @@ class DraftResult(_message.Message):
     reused_tokens: int
     token_probs: _containers.RepeatedScalarFieldContainer[float]
     rows_id: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., token_probs: _Optional[_Iterable[float]] = ..., rows_id: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., token_probs: _Optional[_Iterable[float]] = ..., rows_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftRowsRequest(_message.Message):
     __slots__ = ("session_id", "rows_id", "rows")
@@ -62,7 +66,7 @@ class DraftRowsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., rows_id: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookaheadRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "k", "sampling", "seed", "strategy", "want_distributions", "bonus_guesses", "rejection_guesses")
+    __slots__ = ("session_id", "base_len", "append", "k", "sampling", "seed", "strategy", "want_distributions", "bonus_guesses", "rejection_guesses", "cache_partition")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +77,7 @@ class LookaheadRequest(_message.Message):
     WANT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     BONUS_GUESSES_FIELD_NUMBER: _ClassVar[int]
     REJECTION_GUESSES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PARTITION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -83,7 +88,8 @@ class LookaheadRequest(_message.Message):
     want_distributions: bool
     bonus_guesses: int
     rejection_guesses: int
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., want_distributions: _Optional[bool] = ..., bonus_guesses: _Optional[int] = ..., rejection_guesses: _Optional[int] = ...) -> None: ...
+    cache_partition: str
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., want_distributions: _Optional[bool] = ..., bonus_guesses: _Optional[int] = ..., rejection_guesses: _Optional[int] = ..., cache_partition: _Optional[str] = ...) -> None: ...
 
 class LookaheadBranch(_message.Message):
     __slots__ = ("replaces_last", "token", "tokens", "draft_rows")
@@ -98,11 +104,13 @@ class LookaheadBranch(_message.Message):
     def __init__(self, replaces_last: _Optional[bool] = ..., token: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LookaheadResult(_message.Message):
-    __slots__ = ("branches", "forward_seconds", "reused_tokens")
+    __slots__ = ("branches", "forward_seconds", "reused_tokens", "cached_tokens")
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     branches: _containers.RepeatedCompositeFieldContainer[LookaheadBranch]
     forward_seconds: float
     reused_tokens: int
-    def __init__(self, branches: _Optional[_Iterable[_Union[LookaheadBranch, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, branches: _Optional[_Iterable[_Union[LookaheadBranch, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

@@ -16,7 +16,7 @@ class ResumeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class GenerationRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline", "pipeline_max_k", "pipeline_bonus_guesses", "pipeline_rejection_guesses", "messages", "draft_source")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "stop_token_ids", "seed", "method", "k", "a", "request_id", "tree_budget", "pipeline", "pipeline_max_k", "pipeline_bonus_guesses", "pipeline_rejection_guesses", "messages", "draft_source", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class GenerationRequest(_message.Message):
     PIPELINE_REJECTION_GUESSES_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _common_pb2.TokenIds
     max_new_tokens: int
@@ -53,10 +54,11 @@ class GenerationRequest(_message.Message):
     pipeline_rejection_guesses: int
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     draft_source: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ..., pipeline_max_k: _Optional[int] = ..., pipeline_bonus_guesses: _Optional[int] = ..., pipeline_rejection_guesses: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., draft_source: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., a: _Optional[float] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ..., pipeline: _Optional[bool] = ..., pipeline_max_k: _Optional[int] = ..., pipeline_bonus_guesses: _Optional[int] = ..., pipeline_rejection_guesses: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., draft_source: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("iterations", "drafted_iterations", "drafted_tokens", "accepted_tokens", "new_tokens", "seconds", "draft_seconds", "verify_seconds", "overlap_seconds", "accepted_per_position", "drafted_per_position", "fallback_iterations", "tokens_per_second", "acceptance_rate", "pre_drafts_used", "pre_drafts_dropped", "pre_draft_bonus_hits", "pre_draft_rejection_hits", "sources")
+    __slots__ = ("iterations", "drafted_iterations", "drafted_tokens", "accepted_tokens", "new_tokens", "seconds", "draft_seconds", "verify_seconds", "overlap_seconds", "accepted_per_position", "drafted_per_position", "fallback_iterations", "tokens_per_second", "acceptance_rate", "pre_drafts_used", "pre_drafts_dropped", "pre_draft_bonus_hits", "pre_draft_rejection_hits", "sources", "cached_tokens")
     class SourcesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +85,7 @@ class GenerationStats(_message.Message):
     PRE_DRAFT_BONUS_HITS_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_REJECTION_HITS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     iterations: int
     drafted_iterations: int
     drafted_tokens: int
@@ -102,7 +105,8 @@ class GenerationStats(_message.Message):
     pre_draft_bonus_hits: _containers.RepeatedScalarFieldContainer[int]
     pre_draft_rejection_hits: _containers.RepeatedScalarFieldContainer[int]
     sources: _containers.MessageMap[str, SourceStats]
-    def __init__(self, iterations: _Optional[int] = ..., drafted_iterations: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., overlap_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallback_iterations: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., pre_drafts_used: _Optional[int] = ..., pre_drafts_dropped: _Optional[int] = ..., pre_draft_bonus_hits: _Optional[_Iterable[int]] = ..., pre_draft_rejection_hits: _Optional[_Iterable[int]] = ..., sources: _Optional[_Mapping[str, SourceStats]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, iterations: _Optional[int] = ..., drafted_iterations: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., overlap_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., fallback_iterations: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., pre_drafts_used: _Optional[int] = ..., pre_drafts_dropped: _Optional[int] = ..., pre_draft_bonus_hits: _Optional[_Iterable[int]] = ..., pre_draft_rejection_hits: _Optional[_Iterable[int]] = ..., sources: _Optional[_Mapping[str, SourceStats]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SourceStats(_message.Message):
     __slots__ = ("drafts", "drafted_tokens", "accepted_tokens")

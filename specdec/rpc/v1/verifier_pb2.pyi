@@ -10,27 +10,29 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "sampling")
+    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "sampling", "cache_partition")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PARTITION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
     tree_tokens: _containers.RepeatedScalarFieldContainer[int]
     tree_parents: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    cache_partition: str
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_partition: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values", "text", "deterministic", "drafter_idle")
+    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values", "text", "deterministic", "drafter_idle", "cache_partition")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,7 @@ class VerifyRequest(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_IDLE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PARTITION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -61,7 +64,8 @@ class VerifyRequest(_message.Message):
     text: TextCursor
     deterministic: bool
     drafter_idle: bool
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[_Union[TextCursor, _Mapping]] = ..., deterministic: _Optional[bool] = ..., drafter_idle: _Optional[bool] = ...) -> None: ...
+    cache_partition: str
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[_Union[TextCursor, _Mapping]] = ..., deterministic: _Optional[bool] = ..., drafter_idle: _Optional[bool] = ..., cache_partition: _Optional[str] = ...) -> None: ...
 
 class TextCursor(_message.Message):
     __slots__ = ("start", "prefix", "read")
@@ -74,7 +78,7 @@ class TextCursor(_message.Message):
     def __init__(self, start: _Optional[int] = ..., prefix: _Optional[int] = ..., read: _Optional[int] = ...) -> None: ...
 
 class VerifyOutcome(_message.Message):
-    __slots__ = ("tokens", "accepted_nodes", "accept_flags", "num_drafted", "committed_len", "forward_seconds", "verify_seconds", "reused_tokens", "extra", "draft_rows_needed", "text_pieces", "text_tails", "text_cursor")
+    __slots__ = ("tokens", "accepted_nodes", "accept_flags", "num_drafted", "committed_len", "forward_seconds", "verify_seconds", "reused_tokens", "cached_tokens", "extra", "draft_rows_needed", "text_pieces", "text_tails", "text_cursor")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +94,7 @@ class VerifyOutcome(_message.Message):
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROWS_NEEDED_FIELD_NUMBER: _ClassVar[int]
     TEXT_PIECES_FIELD_NUMBER: _ClassVar[int]
@@ -103,12 +108,13 @@ class VerifyOutcome(_message.Message):
     forward_seconds: float
     verify_seconds: float
     reused_tokens: int
+    cached_tokens: int
     extra: _containers.ScalarMap[str, float]
     draft_rows_needed: _containers.RepeatedScalarFieldContainer[int]
     text_pieces: _containers.RepeatedScalarFieldContainer[str]
     text_tails: _containers.RepeatedScalarFieldContainer[str]
     text_cursor: TextCursor
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accept_flags: _Optional[_Iterable[bool]] = ..., num_drafted: _Optional[int] = ..., committed_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., draft_rows_needed: _Optional[_Iterable[int]] = ..., text_pieces: _Optional[_Iterable[str]] = ..., text_tails: _Optional[_Iterable[str]] = ..., text_cursor: _Optional[_Union[TextCursor, _Mapping]] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accept_flags: _Optional[_Iterable[bool]] = ..., num_drafted: _Optional[int] = ..., committed_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., draft_rows_needed: _Optional[_Iterable[int]] = ..., text_pieces: _Optional[_Iterable[str]] = ..., text_tails: _Optional[_Iterable[str]] = ..., text_cursor: _Optional[_Union[TextCursor, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
