@@ -401,7 +401,7 @@ class TreeKVCache:
 
         Only worth a lookup when at least a block's worth of `tokens` is not cached here. The
         entries from the last block boundary on are taken from the store too: at int8 they are
-        bitwise what this cache holds (docs/algorithms.md §15), elsewhere within rounding.
+        bitwise what this cache holds (docs/algorithms.md §16), elsewhere within rounding.
         """
         link = self.prefix_link
         if link is None or self.block_len:

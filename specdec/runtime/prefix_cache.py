@@ -3,7 +3,7 @@
 Entries are kept in blocks of BLOCK_TOKENS tokens at block-aligned positions. A block's key is a
 chained SHA-256: key(i) = H(key(i − 1) ‖ tokens of block i), with key(−1) = H(partition). So a key
 names the partition and every token from position 0 to the block's end, which are all a block's
-keys and values depend on (docs/algorithms.md §15). A lookup walks the prompt's blocks from the
+keys and values depend on (docs/algorithms.md §16). A lookup walks the prompt's blocks from the
 start and stops at the first miss: the hit is the longest cached block-aligned prefix.
 
 Sessions copy a hit into their own cache (a contiguous buffer, or a slot of the CUDA pool), so the

@@ -22,6 +22,7 @@ from orchestrator.store import Store  # noqa: E402
 from specdec.engine.drafter import DrafterEngine  # noqa: E402
 from specdec.engine.verifier import VerifierEngine  # noqa: E402
 from specdec.runtime.loading import load_model  # noqa: E402
+from specdec.runtime.prefix_cache import PrefixStore  # noqa: E402
 from specdec.runtime.tiny import save_tiny_model  # noqa: E402
 
 VOCAB = 6
@@ -54,15 +55,24 @@ def loaded(model_dirs):
     return models
 
 
+# The engines' prefix caches are on, as `serve` has them, in blocks small enough that the tests' short
+# prompts and answers fill some: every law and fidelity test of the loop runs with cache hits.
+TEST_PREFIX_BLOCK = 4
+
+
+def prefix_cache() -> PrefixStore:
+    return PrefixStore(max_bytes=64 << 20, block_tokens=TEST_PREFIX_BLOCK)
+
+
 @pytest.fixture(scope="session")
 def engines(loaded):
     """One verifier engine on the target and a drafter engine per draft model (the target included)."""
     return {
-        "verifier": VerifierEngine(loaded["target"]),
-        "draft": DrafterEngine(loaded["draft"]),
-        "draft2": DrafterEngine(loaded["draft2"]),
-        "self": DrafterEngine(loaded["target_copy"]),
-        "vocab5": DrafterEngine(loaded["vocab5"]),
+        "verifier": VerifierEngine(loaded["target"], prefix_cache=prefix_cache()),
+        "draft": DrafterEngine(loaded["draft"], prefix_cache=prefix_cache()),
+        "draft2": DrafterEngine(loaded["draft2"], prefix_cache=prefix_cache()),
+        "self": DrafterEngine(loaded["target_copy"], prefix_cache=prefix_cache()),
+        "vocab5": DrafterEngine(loaded["vocab5"], prefix_cache=prefix_cache()),
     }
 
 

@@ -20,6 +20,7 @@ from orchestrator.speculation import Orchestrator
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
 from specdec.runtime.loading import load_model
+from specdec.runtime.prefix_cache import PrefixStore
 from specdec.runtime.tiny import save_tiny_model
 from specdec.sampling import SamplingParams
 from specdec.trees import DraftTree
@@ -55,7 +56,9 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("fidelity-models")
     target = load_model(save_tiny_model(root / "target", vocab_size=VOCAB, seed=111, num_layers=1), threads=1)
     draft = load_model(save_tiny_model(root / "draft", vocab_size=VOCAB, seed=222, num_layers=1), threads=1)
-    return target, draft, VerifierEngine(target), DrafterEngine(draft)
+    # Prefix caches on, in one-token blocks: every sample's session starts from the cached prompt entry.
+    return (target, draft, VerifierEngine(target, prefix_cache=PrefixStore(64 << 20, block_tokens=1)),
+            DrafterEngine(draft, prefix_cache=PrefixStore(64 << 20, block_tokens=1)))
 
 
 def make_orchestrator(pair, verifier: VerifierEngine | None = None) -> Orchestrator:
@@ -86,6 +89,7 @@ async def test_output_is_distributed_as_the_target(pair, exact_t1, method, knobs
     samples = await sample(orch, method, knobs, SamplingParams(1.0), seeds)
     joint, first = p_values(samples, exact_t1)
     assert min(joint, first) > P_THRESHOLD, f"{method} {knobs}: chi-square p = {joint:.2e} / {first:.2e}"
+    assert pair[2].stats()["prefix_cache_hits"] >= SAMPLES // 2  # the samples ran on cache hits
 
 
 @pytest.mark.parametrize("method,knobs", CONFIGS, ids=CONFIG_IDS)

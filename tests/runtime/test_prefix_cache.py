@@ -109,7 +109,7 @@ TREE = DraftTree((1, 2, 3), (-1, 0, 0))
 
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "float32"])
 def test_a_hit_gives_the_rows_of_a_cold_prefill(int8):
-    """int8: bitwise (rows depend on their prefix alone, docs/algorithms.md §15); float32: the cached
+    """int8: bitwise (rows depend on their prefix alone, docs/algorithms.md §14 and §16); float32: the cached
     entries come from other pass shapes, within rounding."""
     model = _model(int8)
     store = PrefixStore(max_bytes=1 << 30, block_tokens=BLOCK)
@@ -211,3 +211,29 @@ def test_a_session_moved_to_another_partition_publishes_under_it():
         kv.publish()
     keys_a, keys_b = block_keys("a", prompt, BLOCK), block_keys("b", prompt + [1], BLOCK)
     assert all(key in store for key in keys_a) and keys_b[-1] in store
+
+
+def test_negative_control_keys_that_forget_earlier_blocks_restore_wrong_entries(monkeypatch):
+    """The bitwise check above catches a broken key: when a block's key names only its own tokens, a
+    prompt whose second block was seen after another first block takes that block's entries, computed
+    in the other context, and its rows move."""
+    from specdec.runtime import kv as kv_module
+    from specdec.runtime import prefix_cache as prefix_module
+
+    def forgetful(previous: bytes, tokens) -> bytes:
+        return prefix_module.root_key("") + bytes(str(list(tokens)), "ascii")
+
+    monkeypatch.setattr(prefix_module, "next_key", forgetful)
+    monkeypatch.setattr(kv_module, "next_key", forgetful)
+    model = _model(True)
+    store = PrefixStore(max_bytes=1 << 30, block_tokens=BLOCK)
+    first_a, first_b, second = _prompt(BLOCK, salt=1), _prompt(BLOCK, salt=2), _prompt(BLOCK, salt=3)
+    probe = first_b + second + _prompt(5, salt=4)
+    with torch.inference_mode():
+        for seen in (first_a + second + [1], first_b + [7] * BLOCK + [1]):  # block 2 after A; B's block 1
+            kv = _cache(model, store)
+            commit_path(kv, score_tree(kv, seen, TREE).pending_len, [])
+        warm = score_tree(_cache(model, store), probe, TREE)
+        cold = score_tree(_cache(model, None), probe, TREE)
+    assert warm.restored == 2 * BLOCK  # B's first block, then A's second: a wrong hit
+    assert not torch.equal(warm.logits, cold.logits)
