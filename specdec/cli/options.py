@@ -176,7 +176,7 @@ DEFAULT_PREFIX_CACHE_MB = 512.0
 PrefixCacheOpt = Annotated[float, typer.Option(
     "--prefix-cache-mb", min=0.0, help=(
         "Memory for the prefix cache, per engine (MiB; 0 = off): KV entries of earlier prompts and answers, "
-        "in blocks of 32 tokens, that a new session with the same beginning (a chat's next turn, an agent's "
+        "in blocks of 16 tokens, that a new session with the same beginning (a chat's next turn, an agent's "
         "next step, a shared system prompt) starts from instead of prefilling it. Least recently used "
         "blocks go first. Only requests of the same caller and cache_salt share blocks. At int8 a hit "
         "changes no output, not even a seeded one (docs/algorithms.md §16)."))]

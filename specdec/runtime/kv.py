@@ -170,6 +170,12 @@ class TreeKVCache:
     def physical_len(self) -> int:
         return self.cache.get_seq_length()
 
+    def pending_limit(self, elsewhere: int) -> int:
+        """Most uncached committed tokens a pass takes with a draft tree: a prefill chunk on the CPU,
+        `elsewhere` on other devices (more are prefilled first, specdec.runtime.scoring.prepare)."""
+        device, _ = model_device_dtype(self.model)
+        return prefill_chunk(device, self.model) if device.type == "cpu" else elsewhere
+
     def common_prefix(self, tokens: Sequence[int]) -> int:
         """Length of the longest common prefix of `tokens` and the cached prefix."""
         n = 0

@@ -387,6 +387,9 @@ class PooledTreeKVCache(TreeKVCache):
     def physical_len(self) -> int:
         return self.length if self.pooled else super().physical_len()
 
+    def pending_limit(self, elsewhere: int) -> int:
+        return elsewhere if self.pooled else super().pending_limit(elsewhere)  # the captured buckets
+
     def _keep_first(self, length: int) -> None:
         if not self.pooled:
             return super()._keep_first(length)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK_TOKENS = 32
+BLOCK_TOKENS = 16
 # Layer states of one block: per layer (keys, values), each [1, kv heads, BLOCK_TOKENS, head dim].
 LayerStates = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -27,7 +27,10 @@ class TreeScore:
     restored: int = 0  # of which taken from the engine's prefix cache in this call
 
 
-MAX_PENDING = 32  # longer runs of uncached committed tokens are prefilled in a separate pass
+# Longer runs of uncached committed tokens are prefilled in a pass of their own, off the CPU (a
+# captured pass's query buckets stay small); on the CPU up to a prefill chunk goes with the tree in
+# one pass (TreeKVCache.pending_limit): a pass of few rows costs about a whole weight read there.
+MAX_PENDING = 32
 
 
 class Prepared(NamedTuple):
@@ -36,7 +39,7 @@ class Prepared(NamedTuple):
     restored: int  # entries taken from the engine's prefix cache (specdec.runtime.prefix_cache)
 
 
-def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int = MAX_PENDING) -> Prepared:
+def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int | None = None) -> Prepared:
     """Roll the cache back to the longest reusable prefix of `committed`, then extend it with the
     engine's cached blocks of the rest (TreeKVCache.restore_prefix).
 
@@ -53,7 +56,8 @@ def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int = MAX_PE
     restored = kv.restore_prefix(committed[:-1])
     reused = kv.prefix_len
     pending = list(committed[reused:])
-    if len(pending) > max(1, max_pending):
+    limit = max_pending if max_pending is not None else kv.pending_limit(MAX_PENDING)
+    if len(pending) > max(1, limit):
         kv.prefill(pending[:-1])
         pending = pending[-1:]
     return Prepared(reused, pending, restored)
@@ -67,7 +71,7 @@ def tree_block(pending_len: int, tree: DraftTree) -> list[int]:
 
 
 def score_tree(
-    kv: TreeKVCache, committed: Sequence[int], tree: DraftTree, max_pending: int = MAX_PENDING
+    kv: TreeKVCache, committed: Sequence[int], tree: DraftTree, max_pending: int | None = None
 ) -> TreeScore:
     """One forward pass over the pending committed tokens and every tree node."""
     reused, pending, restored = prepare(kv, committed, max_pending)

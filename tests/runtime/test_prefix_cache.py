@@ -182,35 +182,39 @@ def test_the_membership_probe_sees_another_partitions_prompt_only_without_isolat
         store = PrefixStore(max_bytes=1 << 30, block_tokens=BLOCK)
         forwarded = []
         with torch.inference_mode():
-            score_tree(_cache(model, store, partition="tenant-a"), secret, TREE)
+            writer = _cache(model, store, partition="tenant-a")
+            commit_path(writer, score_tree(writer, secret, TREE).pending_len, [])
             prober = _cache(model, store, partition="tenant-a" if shared else "tenant-b")
-            original = prober.prefill
+            prefill, extend = prober.prefill, prober.extend
 
             def counting_prefill(tokens):
                 forwarded.append(len(tokens))
-                original(tokens)
+                prefill(tokens)
 
-            prober.prefill = counting_prefill  # type: ignore[method-assign]
+            def counting_extend(tokens, parents, rows_from=0):
+                forwarded.append(len(tokens))
+                return extend(tokens, parents, rows_from)
+
+            prober.prefill, prober.extend = counting_prefill, counting_extend  # type: ignore[method-assign]
             score = score_tree(prober, secret, TREE)
         return score.restored, sum(forwarded)
 
     assert probe(shared=True)[0] > 0 and probe(shared=True)[1] < probe(shared=False)[1]
     restored, forwarded = probe(shared=False)
-    assert restored == 0 and forwarded == len(secret) - 1  # all of it, as a cold cache
+    assert restored == 0 and forwarded == len(secret) + len(TREE)  # all of it, as a cold cache
 
 
 def test_a_session_moved_to_another_partition_publishes_under_it():
     model = _model(True)
     store = PrefixStore(max_bytes=1 << 30, block_tokens=BLOCK)
-    prompt = _prompt(33)
+    prompt, later = _prompt(33), _prompt(33) + [1] * BLOCK
     with torch.inference_mode():
         kv = _cache(model, store, partition="a")
-        score = score_tree(kv, prompt, TREE)
+        commit_path(kv, score_tree(kv, prompt, TREE).pending_len, [])
         kv.set_partition("b")
-        commit_path(kv, score.pending_len, [])
-        kv.publish()
-    keys_a, keys_b = block_keys("a", prompt, BLOCK), block_keys("b", prompt + [1], BLOCK)
-    assert all(key in store for key in keys_a) and keys_b[-1] in store
+        commit_path(kv, score_tree(kv, later, TREE).pending_len, [])
+    assert all(key in store for key in block_keys("a", prompt, BLOCK))
+    assert all(key in store for key in block_keys("b", later, BLOCK))
 
 
 def test_negative_control_keys_that_forget_earlier_blocks_restore_wrong_entries(monkeypatch):
