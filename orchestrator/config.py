@@ -62,10 +62,13 @@ class OrchestratorConfig(BaseSettings):
     lookup_max_ngram: int = Field(4, ge=1, le=16)
     lookup_max_tokens: int = Field(10, ge=1, le=MAX_LOOKAHEAD_K)
     # suffix: the request's tokens plus a cache of recent requests' prompts and outputs, shared by the
-    # requests of this orchestrator process (per replica), bounded by requests and tokens (oldest
-    # evicted first). A draft is a tree of at most suffix_max_nodes nodes.
+    # requests of this orchestrator process (per replica) with the same caller and cache_salt (the
+    # prefix caches' partition), bounded by requests and tokens per partition (oldest evicted first),
+    # at most suffix_cache_partitions partitions (the least recently used one dropped first). A draft
+    # is a tree of at most suffix_max_nodes nodes.
     suffix_cache_requests: int = Field(256, ge=0)
     suffix_cache_tokens: int = Field(262_144, ge=0)
+    suffix_cache_partitions: int = Field(16, ge=1)
     suffix_max_nodes: int = Field(16, ge=1, le=MAX_TREE_NODES)
 
     # Pipelined speculation (orchestrator.drafting.lookahead): while the verifier checks a

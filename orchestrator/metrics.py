@@ -83,10 +83,14 @@ Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label r
   specdec_batch_seconds_total{role}                 time those passes ran (/ batches = seconds per pass)
   specdec_score_hits_total, specdec_late_scores_total   verifier: early scores used / too late
   specdec_draft_rows_requests_total                 verifier: lean verifies that asked for draft rows
-  specdec_prefix_cache_{lookups,hits,queried_tokens,hit_tokens,stored_blocks,evictions}_total{role}
-                                                    the prefix cache (--prefix-cache-mb): hit rate =
-                                                    hits / lookups, token hit rate = hit / queried
-  specdec_prefix_cache_{blocks,bytes,budget_bytes}{role}   what it holds, and its budget
+  specdec_prefix_cache_lookups_total{role}          prefix-cache lookups (--prefix-cache-mb)
+  specdec_prefix_cache_hits_total{role}             of those, lookups that found blocks (/ lookups = hit rate)
+  specdec_prefix_cache_queried_tokens_total{role}   tokens of the blocks looked up
+  specdec_prefix_cache_hit_tokens_total{role}       of those, tokens found (their prefill saved)
+  specdec_prefix_cache_stored_blocks_total{role}    blocks stored
+  specdec_prefix_cache_evictions_total{role}        blocks evicted, least recently used first
+  specdec_prefix_cache_blocks{role}, specdec_prefix_cache_bytes{role}   what it holds
+  specdec_prefix_cache_budget_bytes{role}           its budget
 HTTP API (HttpMetrics: orchestrator.openai_http's middleware records it; route = /v1/completions |
 /v1/chat/completions | /v1/models | /health | other, so unknown paths cannot grow the label set):
   specdec_http_requests_total{route,status}         HTTP requests answered, by status code (413s and

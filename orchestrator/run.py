@@ -68,7 +68,7 @@ class RunSettings:
     def cache_partition(self) -> str:
         """Where the engines' prefix caches put this request's blocks and look for its prompt: the caller's
         identity and its salt, so no block crosses tenants (specdec.runtime.prefix_cache)."""
-        return f"{self.owner}\x1f{self.cache_salt}"
+        return cache_partition(self.owner, self.cache_salt)
 
     @property
     def spec(self) -> Method:
@@ -187,6 +187,11 @@ def stats_from_dict(values: dict[str, Any]) -> GenerationStats:
     values = dict(values)
     sources = {name: SourceStats(**s) for name, s in values.pop("sources", {}).items()}
     return GenerationStats(**values, sources=sources)
+
+
+def cache_partition(owner: str, cache_salt: str = "") -> str:
+    """The engines' prefix-cache and the suffix cache's partition of a caller and its salt."""
+    return f"{owner}\x1f{cache_salt}"
 
 
 def new_session_id(request_id: str) -> str:

@@ -40,7 +40,7 @@ from specdec.engine.api import ModelInfo, TextCursor
 from specdec.errors import AlreadyExists, InvalidRequest, NotFound, StillRunning, StoreUnavailable
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult, IterationRecord
 from specdec.methods import get_method
-from specdec.model_free import SuffixCache
+from specdec.model_free import SuffixCaches
 from specdec.rpc.security import ANONYMOUS
 
 log = logging.getLogger(__name__)
@@ -75,11 +75,12 @@ class Orchestrator:
         self.admission = RequestSlots(config.max_active_requests, config.queue_timeout_s)
         self.callers = CallerLimit(config.max_requests_per_caller)
         self._estimates: dict[str, PairEstimates] = {}  # per model pair and method (adaptation.py)
-        # Model-free drafting (orchestrator.drafting): the cache of recent requests' tokens, per process
-        # (per replica), and what each model-free source has been worth.
-        self.suffix_cache = SuffixCache(max_requests=config.suffix_cache_requests,
-                                        max_tokens=config.suffix_cache_tokens,
-                                        max_depth=config.suffix_max_nodes)
+        # Model-free drafting (orchestrator.drafting): the caches of recent requests' tokens, per process
+        # (per replica) and partition (caller and cache_salt), and what each model-free source is worth.
+        self.suffix_caches = SuffixCaches(config.suffix_cache_partitions,
+                                          max_requests=config.suffix_cache_requests,
+                                          max_tokens=config.suffix_cache_tokens,
+                                          max_depth=config.suffix_max_nodes)
         self.source_estimates = SourceEstimates()
 
     # the engines, as the link sees them ----------------------------------------------------------
@@ -331,7 +332,8 @@ class Orchestrator:
         method = run.settings.method
         drafting = strategy_for(run, DraftingContext(
             self.config, lambda: self._pair_estimates(method), has_drafter=self.drafter is not None,
-            suffix_cache=self.suffix_cache, source_estimates=self.source_estimates))
+            suffix_cache=self.suffix_caches.of(run.settings.cache_partition),
+            source_estimates=self.source_estimates))
         error: BaseException | None = None
         outage = StoreOutage(self.config.store_outage_grace_s)
         sent = len(state.generated)  # the tokens the client has (a resume's first chunk carries them)

@@ -69,7 +69,7 @@ continuation (it went nowhere). Note that a single occurrence gives probability 
 from __future__ import annotations
 
 import heapq
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -620,6 +620,31 @@ def _grow_tree(rows: list[list[int]], max_nodes: int, min_path_prob: float,
     if not tokens:
         return None
     return Proposal(tuple(tokens), tuple(parents), tuple(probs), match_len, "suffix")
+
+
+class SuffixCaches:
+    """One SuffixCache per partition (a caller identity and cache salt), so a request's drafts never
+    copy another tenant's text; at most `max_partitions` are kept, the least recently used one's
+    dropped first (its requests' text is then simply not proposed any more)."""
+
+    def __init__(self, max_partitions: int = 16, **limits: int) -> None:
+        if max_partitions < 1:
+            raise ValueError("max_partitions must be >= 1")
+        self.max_partitions = max_partitions
+        self.limits = limits
+        self._caches: OrderedDict[str, SuffixCache] = OrderedDict()
+
+    def of(self, partition: str) -> SuffixCache:
+        cache = self._caches.get(partition)
+        if cache is None:
+            cache = self._caches[partition] = SuffixCache(**self.limits)
+            while len(self._caches) > self.max_partitions:
+                self._caches.popitem(last=False)
+        self._caches.move_to_end(partition)
+        return cache
+
+    def __len__(self) -> int:
+        return len(self._caches)
 
 
 class SuffixCache:

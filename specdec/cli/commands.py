@@ -46,7 +46,7 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
         "--engine-token-file", "--token-file", "--insecure-engine", "--max-chat-template-kb",
         "--chat-template-timeout"),
     "Observability": ("--trace-file", "--otlp-endpoint", "--metrics-port", "--metrics-host",
-                      "--metrics-token-file", "--metrics-tls", "--log-level"),
+                      "--metrics-token-file", "--open-metrics", "--metrics-tls", "--log-level"),
     "Process": ("--ready-file", "--log-dir", "--startup-timeout", "--drafter-restarts", "--restarts"),
 }
 PANEL_OF = {flag: panel for panel, flags in HELP_PANELS.items() for flag in flags}

@@ -41,7 +41,12 @@ MetricsHostOpt = Annotated[str, typer.Option(
 MetricsTokenFileOpt = Annotated[Path | None, typer.Option(
     "--metrics-token-file", help="/metrics answers 401 unless the scraper sends `Authorization: Bearer "
     "<token>` with the token in this file (one line of printable ASCII; Prometheus: authorization.credentials"
-    "_file). Default: no token (fine on a loopback --metrics-host).", show_default=False)]
+    "_file). Default: the service's --auth-token-file when it has one (unless --open-metrics), else no "
+    "token (fine on a loopback --metrics-host).", show_default=False)]
+OpenMetricsOpt = Annotated[bool, typer.Option(
+    "--open-metrics", help="Serve /metrics without a token even though the service's port requires one "
+    "(--auth-token-file): e.g. for a scraper inside a network policy. Default: a service with a token "
+    "asks the scraper for it on /metrics too.")]
 MetricsTlsOpt = Annotated[bool, typer.Option(
     "--metrics-tls", help="Serve /metrics over HTTPS with the service's --tls-cert and --tls-key (needs "
     "them). Default: plain HTTP.")]
@@ -205,6 +210,8 @@ def child_args(role: str, *, trace_file: Path | str | None = None, otlp_endpoint
             args += ["--metrics-host", metrics_host]
         if metrics_token_file is not None:
             args += ["--metrics-token-file", str(Path(metrics_token_file).expanduser().resolve())]
+        else:  # `up`'s own /metrics is open: its children's are too (theirs would take the engine token)
+            args.append("--open-metrics")
         if metrics_tls:
             args.append("--metrics-tls")
     return args
@@ -224,9 +231,14 @@ class ObservabilityOptions:
     metrics_tls: bool = False
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # The service's own token (--auth-token-file): /metrics asks for it too, unless --open-metrics.
+    auth_token_file: Path | None = None
+    open_metrics: bool = False
     metrics_token: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.metrics_token_file is None and self.auth_token_file is not None and not self.open_metrics:
+            self.metrics_token_file = self.auth_token_file
         if self.metrics_tls and (self.tls_cert is None or self.tls_key is None):
             raise fail("--metrics-tls serves /metrics with the service's certificate: it needs --tls-cert "
                        "and --tls-key", 2)

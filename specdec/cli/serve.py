@@ -37,6 +37,7 @@ from specdec.cli.observability import (
     MetricsTokenFileOpt,
     Observability,
     ObservabilityOptions,
+    OpenMetricsOpt,
     OtlpEndpointOpt,
     TraceFileOpt,
 )
@@ -326,6 +327,7 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         metrics_port: MetricsPortOpt = None,
         metrics_host: MetricsHostOpt = "127.0.0.1",
         metrics_token_file: MetricsTokenFileOpt = None,
+        open_metrics: OpenMetricsOpt = False,
         metrics_tls: MetricsTlsOpt = False,
         batching: BatchingOpt = True,
         max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
@@ -356,7 +358,8 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
                                    auth_token_file=auth_token_file)  # exits on a bad flag, before loading
         refuse_open_engine(role, host, security, insecure_engine)
         observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host,
-                                             metrics_token_file, metrics_tls, security.cert, security.key)
+                                             metrics_token_file, metrics_tls, security.cert, security.key,
+                                             auth_token_file, open_metrics)
         batch = BatchConfig(batching, max_batch_tokens, batch_window_ms)
         template_limits = TemplateLimits(max_template_bytes=max_chat_template_kb * 1024,
                                          timeout_s=chat_template_timeout)
@@ -466,6 +469,7 @@ def serve_orchestrator(
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = "127.0.0.1",
     metrics_token_file: MetricsTokenFileOpt = None,
+    open_metrics: OpenMetricsOpt = False,
     metrics_tls: MetricsTlsOpt = False,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -518,7 +522,8 @@ def serve_orchestrator(
         if http_port:
             check_port_free(host, http_port, "--http-port")
         observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host,
-                                             metrics_token_file, metrics_tls, front.cert, front.key)
+                                             metrics_token_file, metrics_tls, front.cert, front.key,
+                                             auth_token_file, open_metrics)
         obs = observability.setup("orchestrator", protected=front.tls or front.authenticated)
     except CliError as exc:
         raise fail(str(exc)) from None

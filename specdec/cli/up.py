@@ -23,6 +23,7 @@ from specdec.cli.observability import (
     MetricsTlsOpt,
     MetricsTokenFileOpt,
     ObservabilityOptions,
+    OpenMetricsOpt,
     OtlpEndpointOpt,
     TraceFileOpt,
 )
@@ -216,6 +217,7 @@ def up(
         "verifier on +2 (0 = any free ports). Default: no metrics endpoints.", show_default=False)] = None,
     metrics_host: MetricsHostOpt = "127.0.0.1",
     metrics_token_file: MetricsTokenFileOpt = None,
+    open_metrics: OpenMetricsOpt = False,
     metrics_tls: MetricsTlsOpt = False,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -298,7 +300,8 @@ def up(
     _warn_if_exposed(host, tls=tls_cert is not None, client_token=auth_token_file is not None,
                      client_certs=tls_require_client_cert)
     observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host,
-                                         metrics_token_file, metrics_tls, tls_cert, tls_key)
+                                         metrics_token_file, metrics_tls, tls_cert, tls_key,
+                                         auth_token_file, open_metrics)
     supervisor = processes.Supervisor(log_dir)
     supervisor.install_signal_handlers()
     engine_token = _engine_token_file(supervisor.log_dir)

@@ -14,10 +14,31 @@ def test_child_args_share_the_trace_file_and_spread_metrics_ports(tmp_path, monk
     assert child_args("drafter") == []
     args = child_args("verifier", trace_file="spans.jsonl", otlp_endpoint="c:4317", metrics_port=9464)
     assert args == ["--trace-file", str(tmp_path / "spans.jsonl"), "--otlp-endpoint", "c:4317",
-                    "--metrics-port", "9466"]
+                    "--metrics-port", "9466", "--open-metrics"]
     assert child_args("orchestrator", metrics_port=9464, metrics_host="0.0.0.0") == [
-        "--metrics-port", "9464", "--metrics-host", "0.0.0.0"]
-    assert child_args("drafter", metrics_port=0) == ["--metrics-port", "0"]  # any free port each
+        "--metrics-port", "9464", "--metrics-host", "0.0.0.0", "--open-metrics"]
+    assert child_args("drafter", metrics_port=0) == ["--metrics-port", "0", "--open-metrics"]  # any free port
+    token = tmp_path / "token"
+    assert child_args("drafter", metrics_port=0, metrics_token_file=token) == [
+        "--metrics-port", "0", "--metrics-token-file", str(token)]
+
+
+def test_a_service_with_a_token_asks_for_it_on_metrics_unless_told_otherwise(tmp_path):
+    """With auth on, /metrics requires a token: the service's own, unless --metrics-token-file names
+    another or --open-metrics leaves it open (`up` then opens its children's too)."""
+    from specdec.cli.observability import ObservabilityOptions
+
+    auth, scrape = tmp_path / "auth", tmp_path / "scrape"
+    auth.write_text("service-token\n")
+    scrape.write_text("scrape-token\n")
+    for path in (auth, scrape):
+        path.chmod(0o600)
+    assert ObservabilityOptions(metrics_port=0, auth_token_file=auth).metrics_token == "service-token"
+    assert ObservabilityOptions(metrics_port=0, metrics_token_file=scrape,
+                                auth_token_file=auth).metrics_token == "scrape-token"
+    opened = ObservabilityOptions(metrics_port=0, auth_token_file=auth, open_metrics=True)
+    assert opened.metrics_token is None and "--open-metrics" in opened.child_args("verifier")
+    assert ObservabilityOptions(metrics_port=0).metrics_token is None  # no auth: open, as before
 
 
 def test_setup_is_inert_without_options():

@@ -17,12 +17,14 @@ import torch
 
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
+from orchestrator.run import cache_partition
 from orchestrator.speculation import Orchestrator
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
 from specdec.errors import InvalidRequest
 from specdec.generation import GenerationRequest
 from specdec.methods import METHODS
+from specdec.rpc.security import ANONYMOUS
 from specdec.runtime.loading import load_model
 from specdec.runtime.tiny import save_tiny_model
 from specdec.sampling import SamplingParams
@@ -121,7 +123,7 @@ async def test_a_seeded_request_drafts_from_its_own_tokens_only(models):
                                 seed=5,
                                 method="token", stop_token_ids=[], draft_source="suffix")
     first = await orch.generate(request)
-    assert orch.suffix_cache.cached_requests == 1
+    assert orch.suffix_caches.of(cache_partition(ANONYMOUS)).cached_requests == 1
     again = await orch.generate(request)
     assert again.token_ids == first.token_ids  # the same seed replays
     # Had the second run read the first from the cache, it would have drafted its whole continuation.
@@ -197,7 +199,7 @@ async def test_suffix_cache_carries_a_finished_request_to_the_next(models):
     accepted = sum(r.accepted for r in records[before:] if r.source == "suffix")
     assert accepted >= len(second.token_ids) // 2, "the second run copies the first from the cache"
     assert second.stats.sources["suffix"].accepted_tokens == accepted
-    assert orch.suffix_cache.cached_requests == 2
+    assert orch.suffix_caches.of(cache_partition(ANONYMOUS)).cached_requests == 2
 
 
 @pytest.mark.parametrize("request_fields, drafter, message", [

@@ -99,3 +99,29 @@ async def test_a_bad_cache_salt_is_refused(int8_pair, salt):
     with pytest.raises(InvalidRequest, match="cache_salt"):
         await orch.generate(turn([1, 2, 3], seed=0, method="token", salt=salt))  # type: ignore[arg-type]
     await orch.close()
+
+
+async def test_the_suffix_cache_is_partitioned_like_the_prefix_cache(int8_pair):
+    """A finished request's text is proposed to later requests of its caller and salt only."""
+    from orchestrator.run import cache_partition
+
+    orch, _ = orchestrator(int8_pair, cached=True)
+    request = turn([(3 * i) % VOCAB for i in range(20)], seed=0, method="token", salt="a")
+    request.draft_source, request.seed = "suffix", None
+    await orch.generate(request, owner="token:alice")
+    await orch.close()
+    caches = orch.suffix_caches
+    assert caches.of(cache_partition("token:alice", "a")).cached_requests == 1
+    assert caches.of(cache_partition("token:alice", "b")).cached_requests == 0
+    assert caches.of(cache_partition("token:bob", "a")).cached_requests == 0
+
+
+def test_suffix_caches_keep_the_most_recent_partitions():
+    from specdec.model_free import SuffixCaches
+
+    caches = SuffixCaches(2, max_requests=4, max_tokens=64)
+    first, second = caches.of("a"), caches.of("b")
+    assert caches.of("a") is first  # touched: "b" is now the oldest
+    caches.of("c")
+    assert len(caches) == 2 and caches.of("a") is first
+    assert caches.of("b") is not second  # dropped with the oldest partition, a new one now

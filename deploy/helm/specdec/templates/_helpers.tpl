@@ -165,6 +165,8 @@ app.kubernetes.io/part-of: specdec
 {{- if $m.tokenSecret }}
 - --metrics-token-file
 - /etc/specdec/metrics-token/token
+{{- else }}
+- --open-metrics
 {{- end }}
 {{- if $m.tls }}
 - --metrics-tls
