@@ -51,6 +51,12 @@ sends that many one-token filler requests with draft_source "suffix", which push
 out of the cache (oldest first). `--no-cache-flush` leaves the servers' cache at its default and
 sends no fillers (repeats then copy from earlier runs).
 
+Caches are also partitioned by `cache_salt` (the engines' prefix caches and the suffix cache,
+docs/algorithms.md §16), and each pass of a configuration over a unit (a prompt, an agent family)
+sends its own salt: an agent family's turns ≥ 2 find its turn 1's prompt and answer in the prefix
+caches, as a user's would, and no run finds what another configuration, temperature or round left.
+Results record each request's `cached_tokens`.
+
 Sampling: each temperature of --temperatures (0: greedy), no top-k/top-p, no stop tokens: every run
 makes --max-new-tokens tokens (results record where the first EOS came, `eos_at`). HF rows get
 seed 1000·round + prompt; specdec requests carry no seed.
@@ -217,20 +223,21 @@ def source_counts(result) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
 
 
 async def specdec_run(client, config: str, ids: list[int], max_new_tokens: int, temperature: float,
-                      request_id: str) -> dict[str, Any]:
+                      request_id: str, cache_salt: str | None = None) -> dict[str, Any]:
     from specdec.generation import GenerationRequest
     from specdec.sampling_params import SamplingParams
 
     request = GenerationRequest(prompt_ids=list(ids), max_new_tokens=max_new_tokens,
                                 sampling=SamplingParams(temperature=temperature), stop_token_ids=[],
                                 draft_source=REQUEST_SOURCE[config], method=REQUEST_METHOD.get(config),
-                                request_id=request_id)
+                                request_id=request_id, cache_salt=cache_salt or request_id)
     began = time.perf_counter()
     result = await client.generate(request)
     seconds = time.perf_counter() - began
     sources, iterations = source_counts(result)
     return {"token_ids": list(result.token_ids), "seconds": seconds, "iterations": result.stats.iterations,
-            "sources": sources, "iterations_by_source": iterations, "method": result.method}
+            "cached_tokens": result.stats.cached_tokens, "sources": sources,
+            "iterations_by_source": iterations, "method": result.method}
 
 
 async def flush_cache(client, count: int, tag: str) -> None:
@@ -384,15 +391,19 @@ class Harness:
                     for config in configs:
                         if config in CACHE_CONFIGS and self.cache_requests is not None:
                             await flush_cache(client, self.cache_requests, self.request_id("flush"))
+                        # One prefix-cache partition per pass over a unit: an agent family's later turns
+                        # find its earlier ones, no run finds another configuration's or round's.
+                        salt = self.request_id(f"salt-{config}")
                         for item in unit:
-                            row = await self.one(client, config, item, temperature, rnd)
+                            row = await self.one(client, config, item, temperature, rnd, salt)
                             self.details.append(row)
                             self.progress(brief(row))
         finally:
             if client is not None:
                 await client.close()
 
-    async def one(self, client, config: str, item: Item, temperature: float, rnd: int) -> dict[str, Any]:
+    async def one(self, client, config: str, item: Item, temperature: float, rnd: int,
+                  salt: str | None = None) -> dict[str, Any]:
         args, ids = self.args, self.ids[item.id]
         if config in HF_CONFIGS:
             seed = 1000 * rnd + self.index[item.id]
@@ -400,7 +411,7 @@ class Harness:
             measured: dict[str, Any] = {"token_ids": tokens, "seconds": seconds}
         else:
             measured = await specdec_run(client, config, ids, args.max_new_tokens, temperature,
-                                         self.request_id(config))
+                                         self.request_id(config), salt)
         tokens = measured.pop("token_ids")
         return {"round": rnd, "config": config, "temperature": temperature, "item": item.id,
                 "workload": item.workload, "kind": item.kind, "row": row_of(item), "turn": item.turn,
