@@ -38,6 +38,7 @@ from specdec.rpc.grpc_support import (
     start_server,
 )
 from specdec.rpc.security import ANONYMOUS, caller_identity
+from specdec.rpc.tenants import Tenants, common_name
 from specdec.rpc.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ def _monitored(orchestrator: GenerationBackend) -> TypeGuard[MonitoredBackend]:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, orchestrator: GenerationBackend) -> None:
+    def __init__(self, orchestrator: GenerationBackend, tenants: Tenants | None = None) -> None:
+        self.tenants = tenants
         self.orchestrator = orchestrator
 
     @guarded
@@ -88,7 +90,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerationRequest, context
     ) -> generation_pb2.GenerationResult:
         result = await self.orchestrator.generate(
-            generation_convert.generation_request_from_proto(request), owner=_caller(context)
+            generation_convert.generation_request_from_proto(request), owner=_caller(context, self.tenants)
         )
         return generation_convert.generation_result_to_proto(result)
 
@@ -97,7 +99,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerationRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
         stream = self.orchestrator.generate_stream(
-            generation_convert.generation_request_from_proto(request), owner=_caller(context)
+            generation_convert.generation_request_from_proto(request), owner=_caller(context, self.tenants)
         )
         async with contextlib.aclosing(_chunks(stream)) as chunks:
             async for chunk in chunks:
@@ -108,7 +110,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.ResumeRequest, context
     ) -> generation_pb2.GenerationResult:
         result = await self.orchestrator.resume(
-            generation_convert.resume_request_from_proto(request), owner=_caller(context)
+            generation_convert.resume_request_from_proto(request), owner=_caller(context, self.tenants)
         )
         return generation_convert.generation_result_to_proto(result)
 
@@ -117,17 +119,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.ResumeRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
         stream = self.orchestrator.resume_stream(
-            generation_convert.resume_request_from_proto(request), owner=_caller(context)
+            generation_convert.resume_request_from_proto(request), owner=_caller(context, self.tenants)
         )
         async with contextlib.aclosing(_chunks(stream)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
 
-def _caller(context: grpc.aio.ServicerContext) -> str:
-    """The caller's identity (its owner string), with the per-caller cap's key set for this call:
-    the identity, or "peer:<address>" (port left out) for an anonymous caller."""
+def _caller(context: grpc.aio.ServicerContext, tenants: Tenants | None = None) -> str:
+    """The caller's identity (its owner string: its tenant's when `tenants` names its credential), with
+    the per-caller cap's key set for this call: the identity, or "peer:<address>" (port left out) for an
+    anonymous caller."""
     owner = caller_identity(context)
+    if tenants is not None:
+        owner = tenants.identity(owner, common_name(context))
     CALLER_KEY.set(owner if owner != ANONYMOUS else f"peer:{_address(context.peer() or '')}")
     return owner
 
@@ -166,6 +171,7 @@ async def start_orchestrator_server(
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
     health_interval_s: float | None = None,
+    tenants: Tenants | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a GenerationService (+ health, reflection); returns (server, bound port).
 
@@ -174,7 +180,7 @@ async def start_orchestrator_server(
     `health_interval_s`, default its config's): NOT_SERVING from the start until its verifier
     answers; and its calls are answered UNAVAILABLE before any work while the verifier is not there
     (ServingGate, after `interceptors`)."""
-    servicer = GenerationServicer(orchestrator)
+    servicer = GenerationServicer(orchestrator, tenants)
     monitor = gate = None
     if _monitored(orchestrator):
         interval = health_interval_s or orchestrator.config.health_interval_s

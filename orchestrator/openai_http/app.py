@@ -55,6 +55,7 @@ from specdec.errors import NotFound, Unauthenticated
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult
 from specdec.rpc.security import ANONYMOUS, UNAUTHENTICATED_MESSAGE, TokenAuthInterceptor, digest
 from specdec.rpc.status import status_for
+from specdec.rpc.tenants import Tenants
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,9 @@ class OpenAIFrontDoor:
     """What the routes need of the orchestrator: its generation calls, its serving state, its name."""
 
     def __init__(self, orchestrator: OpenAIBackend, *, served_model_name: str | None = None,
-                 tokens: Collection[str] = ()) -> None:
+                 tokens: Collection[str] = (), tenants: Tenants | None = None) -> None:
         self.orchestrator = orchestrator
+        self.tenants = tenants
         self.served_model_name = served_model_name
         self._auth = TokenAuthInterceptor(tokens) if tokens else None
         self.created = int(time.time())
@@ -110,7 +112,8 @@ class OpenAIFrontDoor:
         token = header[7:].strip() if header[:7].lower() == "bearer " else None
         if self._auth is not None and not self._auth.accepts(token):
             raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
-        return f"token:{digest(token)}" if token else ANONYMOUS
+        owner = f"token:{digest(token)}" if token else ANONYMOUS
+        return self.tenants.identity(owner) if self.tenants is not None else owner
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -142,9 +145,9 @@ def _address(request: Request) -> str:
 
 
 def create_app(orchestrator: OpenAIBackend, *, served_model_name: str | None = None,
-               tokens: Collection[str] = ()) -> FastAPI:
+               tokens: Collection[str] = (), tenants: Tenants | None = None) -> FastAPI:
     """The ASGI app over `orchestrator` (orchestrator.speculation.Orchestrator or alike)."""
-    door = OpenAIFrontDoor(orchestrator, served_model_name=served_model_name, tokens=tokens)
+    door = OpenAIFrontDoor(orchestrator, served_model_name=served_model_name, tokens=tokens, tenants=tenants)
     app = FastAPI(title="specdec", summary="OpenAI-compatible API of a specdec orchestrator",
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.router.route_class = GuardedRoute

@@ -43,8 +43,8 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
     "Security (TLS, tokens)": (
         "--tls-cert", "--tls-key", "--tls-client-ca", "--tls-require-client-cert", "--tls-ca",
         "--tls-client-cert", "--tls-client-key", "--tls-server-name", "--auth-token-file",
-        "--engine-token-file", "--token-file", "--insecure-engine", "--max-chat-template-kb",
-        "--chat-template-timeout"),
+        "--engine-token-file", "--token-file", "--tenants-file", "--insecure-engine",
+        "--max-chat-template-kb", "--chat-template-timeout"),
     "Observability": ("--trace-file", "--otlp-endpoint", "--metrics-port", "--metrics-host",
                       "--metrics-token-file", "--open-metrics", "--metrics-tls", "--log-level"),
     "Process": ("--ready-file", "--log-dir", "--startup-timeout", "--drafter-restarts", "--restarts"),

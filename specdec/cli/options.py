@@ -284,6 +284,11 @@ AuthTokenFileOpt = Annotated[Path | None, typer.Option(
     "--auth-token-file", help="Clients must send `authorization: Bearer <token>` with the token in this "
     f"file ({_TOKEN_HINT}); a missing or wrong token gets UNAUTHENTICATED. Health checks stay open. "
     "Default: no token.", show_default=False)]
+TenantsFileOpt = Annotated[Path | None, typer.Option(
+    "--tenants-file", help="Tenants: lines `NAME TOKEN` (or `NAME cn:COMMON_NAME` for a client certificate, "
+    "mTLS). Every token is accepted besides --auth-token-file's, and its caller is tenant NAME: its stored "
+    "requests, its --max-requests-per-caller cap and its share of the prefix and suffix caches are the "
+    "tenant's. Default: no tenants.", show_default=False)]
 EngineAuthTokenFileOpt = Annotated[Path | None, typer.Option(
     "--auth-token-file", help="Accept only callers sending this token as `authorization: Bearer <token>` "
     f"(the orchestrator's --engine-token-file; {_TOKEN_HINT}); others get UNAUTHENTICATED on every RPC but "
@@ -346,10 +351,12 @@ def precision_line(dtype: str, **devices: str) -> str:
 
 
 def server_security(*, tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
-                    tls_require_client_cert: bool, auth_token_file: Path | None) -> ServerSecurity:
-    """A server's --tls-* and --auth-token-file, checked now, before any model loads: a bad
-    combination exits 2, a missing or bad file exits 1, each with one line naming the flag."""
+                    tls_require_client_cert: bool, auth_token_file: Path | None,
+                    tenants_file: Path | None = None) -> ServerSecurity:
+    """A server's --tls-*, --auth-token-file and --tenants-file, checked now, before any model loads: a
+    bad combination exits 2, a missing or bad file exits 1, each with one line naming the flag."""
     from specdec.rpc.security import ServerSecurity, read_token_file
+    from specdec.rpc.tenants import read_tenants_file
 
     try:
         ServerSecurity(tls_cert, tls_key, tls_client_ca, tls_require_client_cert)
@@ -357,8 +364,11 @@ def server_security(*, tls_cert: Path | None, tls_key: Path | None, tls_client_c
         raise fail(str(exc), 2) from None
     try:
         tokens = (read_token_file(auth_token_file, "--auth-token-file"),) if auth_token_file else ()
+        tenants = read_tenants_file(tenants_file) if tenants_file is not None else None
+        if tenants is not None:
+            tokens += tenants.tokens
         security = ServerSecurity(absolute_path(tls_cert), absolute_path(tls_key),
-                                  absolute_path(tls_client_ca), tls_require_client_cert, tokens)
+                                  absolute_path(tls_client_ca), tls_require_client_cert, tokens, tenants)
         _ = security.credentials  # reads and checks the files
     except ValueError as exc:
         raise fail(str(exc)) from None

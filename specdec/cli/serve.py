@@ -90,6 +90,7 @@ from specdec.cli.options import (
     StoreOutageGraceOpt,
     StoreTimeoutOpt,
     StreamIdleTimeoutOpt,
+    TenantsFileOpt,
     ThreadsOpt,
     TlsCertOpt,
     TlsClientCaOpt,
@@ -418,7 +419,8 @@ async def start_http_api(orchestrator: Any, host: str, port: int, *, security: A
         tls = HttpTls(str(security.cert), str(security.key),
                       None if security.client_ca is None else str(security.client_ca),
                       security.require_client_cert)
-    app = create_app(orchestrator, served_model_name=served_model_name, tokens=security.tokens)
+    app = create_app(orchestrator, served_model_name=served_model_name, tokens=security.tokens,
+                     tenants=security.tenants)
     return await start_http_server(app, host, port, tls=tls, max_body_bytes=4 * config.max_prompt_bytes + MIB,
                                    metrics=metrics)
 
@@ -476,6 +478,7 @@ def serve_orchestrator(
     tls_client_ca: TlsClientCaOpt = None,
     tls_require_client_cert: TlsRequireClientCertOpt = False,
     auth_token_file: AuthTokenFileOpt = None,
+    tenants_file: TenantsFileOpt = None,
     tls_ca: EngineTlsCaOpt = None,
     tls_client_cert: EngineTlsClientCertOpt = None,
     tls_client_key: TlsClientKeyOpt = None,
@@ -492,7 +495,8 @@ def serve_orchestrator(
     setup_logging(log_level)
     # Transport security (docs/security.md), checked before anything starts; exits on a bad flag.
     front = server_security(tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
-                            tls_require_client_cert=tls_require_client_cert, auth_token_file=auth_token_file)
+                            tls_require_client_cert=tls_require_client_cert, auth_token_file=auth_token_file,
+                            tenants_file=tenants_file)
     engine_security = client_security(tls_ca=tls_ca, tls_client_cert=tls_client_cert,
                                       tls_client_key=tls_client_key, tls_server_name=tls_server_name,
                                       token_file=engine_token_file, token_flag="--engine-token-file")
@@ -551,6 +555,7 @@ def serve_orchestrator(
             # verifier is waited for, never fatal. The ready file (`specdec up`) is written only then.
             server, bound = await start_orchestrator_server(
                 orchestrator, host, port, max_message_mb=max_message_mb, credentials=front.credentials,
+                tenants=front.tenants,
                 interceptors=[*front.interceptors(), *obs.server_interceptors])
             http = None
             try:

@@ -61,6 +61,7 @@ from specdec.cli.options import (
     StoreOutageGraceOpt,
     StoreTimeoutOpt,
     StreamIdleTimeoutOpt,
+    TenantsFileOpt,
     TlsCertOpt,
     TlsClientCaOpt,
     TlsClientKeyOpt,
@@ -234,6 +235,7 @@ def up(
     tls_client_key: TlsClientKeyOpt = None,
     tls_server_name: TlsServerNameOpt = None,
     auth_token_file: AuthTokenFileOpt = None,
+    tenants_file: TenantsFileOpt = None,
 ) -> None:
     """Start drafter, verifier and orchestrator as three processes on this machine; stop them on Ctrl-C.
 
@@ -261,7 +263,8 @@ def up(
     tls_args, orchestrator_args, probe = _security_args(
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
         tls_require_client_cert=tls_require_client_cert, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
-        tls_client_key=tls_client_key, tls_server_name=tls_server_name, auth_token_file=auth_token_file)
+        tls_client_key=tls_client_key, tls_server_name=tls_server_name, auth_token_file=auth_token_file,
+        tenants_file=tenants_file)
     d_cores = v_cores = None
     if no_drafter:  # the verifier gets every core (and as many threads) that the two would have shared
         if not no_pin:
@@ -535,12 +538,14 @@ def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str], me
 def _security_args(*, tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
                    tls_require_client_cert: bool, tls_ca: Path | None, tls_client_cert: Path | None,
                    tls_client_key: Path | None, tls_server_name: str | None,
-                   auth_token_file: Path | None) -> tuple[list[str], list[str], Any]:
+                   auth_token_file: Path | None, tenants_file: Path | None = None
+                   ) -> tuple[list[str], list[str], Any]:
     """Check `up`'s security options (exit 2 on a bad combination, 1 on a bad file, before any model
     loads) and turn them into (every child's server flags, the orchestrator's own flags: its client
     side and its token, the ClientSecurity of `up`'s health checks)."""
     server = server_security(tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
-                             tls_require_client_cert=tls_require_client_cert, auth_token_file=auth_token_file)
+                             tls_require_client_cert=tls_require_client_cert, auth_token_file=auth_token_file,
+                             tenants_file=tenants_file)
     if server.tls and tls_ca is None:
         raise fail("--tls-cert with `up` needs --tls-ca (the CA that signed it: the orchestrator and `up`'s "
                    "health checks verify the services with it)", 2)
@@ -560,7 +565,8 @@ def _security_args(*, tls_cert: Path | None, tls_key: Path | None, tls_client_ca
     orchestrator_args: list[str] = []
     for flag, path in (("--tls-ca", probe.tls_ca), ("--tls-client-cert", probe.client_cert),
                        ("--tls-client-key", probe.client_key), ("--tls-server-name", probe.server_name),
-                       ("--auth-token-file", absolute_path(auth_token_file))):
+                       ("--auth-token-file", absolute_path(auth_token_file)),
+                       ("--tenants-file", absolute_path(tenants_file))):
         if path is not None:
             orchestrator_args += [flag, str(path)]
     return tls_args, orchestrator_args, probe

@@ -276,6 +276,7 @@ class ServerSecurity:
     client_ca: Path | None = None
     require_client_cert: bool = False
     tokens: tuple[str, ...] = field(default=(), repr=False)
+    tenants: Any = field(default=None, repr=False)  # specdec.rpc.tenants.Tenants: callers' tenant names
 
     def __post_init__(self) -> None:
         _check_server_flags(self.cert, self.key, self.client_ca, self.require_client_cert)

@@ -356,6 +356,9 @@ def test_tls_and_tokens_come_from_secrets(rendered: Any) -> None:
     assert arg_value(orchestrator, "--tls-ca") == "/etc/specdec/tls/ca.crt"
     assert arg_value(orchestrator, "--engine-token-file") == "/etc/specdec/engine-token/token"
     assert arg_value(orchestrator, "--auth-token-file") == "/etc/specdec/client-token/token"
+    assert arg_value(orchestrator, "--tenants-file") == "/etc/specdec/tenants/tenants"
+    volumes = pod_spec(component(docs, "Deployment", "orchestrator"))["volumes"]
+    assert {"secretName": "specdec-tenants", "defaultMode": 0o440} in [v.get("secret") for v in volumes]
     for role in ENGINES:
         spec = pod_spec(component(docs, "Deployment", role))
         args = spec["containers"][0]["args"]
