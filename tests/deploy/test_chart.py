@@ -558,3 +558,12 @@ def test_session_affinity_applies_to_the_orchestrator_service_only(rendered: Any
     for role in ENGINES:
         assert "sessionAffinity" not in component(docs, "Service", role)["spec"]
     assert "sessionAffinity" not in component(rendered(), "Service", "orchestrator")["spec"]
+
+
+def test_the_prefix_cache_size_reaches_the_engines(tools: Tools) -> None:
+    docs = render(tools, sets=["verifier.prefixCacheMb=256", "drafter.prefixCacheMb=0"])
+    for role, value in (("verifier", "256"), ("drafter", "0")):
+        args = pod_spec(component(docs, "Deployment", role))["containers"][0]["args"]
+        assert arg_value(args, "--prefix-cache-mb") == value
+    default = pod_spec(component(render(tools), "Deployment", "verifier"))["containers"][0]["args"]
+    assert "--prefix-cache-mb" not in default  # the CLI's default

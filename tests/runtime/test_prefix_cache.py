@@ -241,3 +241,24 @@ def test_negative_control_keys_that_forget_earlier_blocks_restore_wrong_entries(
         cold = score_tree(_cache(model, None), probe, TREE)
     assert warm.restored == 2 * BLOCK  # B's first block, then A's second: a wrong hit
     assert not torch.equal(warm.logits, cold.logits)
+
+
+def test_a_pooled_session_restores_into_its_slot_and_publishes_from_it():
+    """The CUDA pool's slots take cached blocks as the growing cache does (here the pool runs eagerly on
+    the CPU): the rows after a restore are those of an eager cache, within float32 rounding."""
+    from specdec.runtime.kv_pool import KVPool, PoolConfig, new_session_cache
+
+    model = _model(False)
+    pool = KVPool(model, PoolConfig(capture=False, slots=2, slot_tokens=256))
+    store = PrefixStore(max_bytes=1 << 30, block_tokens=BLOCK)
+    first_turn, next_turn = _prompt(40), _prompt(40) + _prompt(11, salt=3)
+    with torch.inference_mode():
+        writer = new_session_cache(model, pool, prefix_store=store)
+        assert writer.pooled  # type: ignore[attr-defined]
+        commit_path(writer, score_tree(writer, first_turn, TREE).pending_len, [])
+        assert len(store) == 40 // BLOCK  # published from the slot
+        reader = new_session_cache(model, pool, prefix_store=store)
+        warm = score_tree(reader, next_turn, TREE)
+        cold = score_tree(_cache(model, None), next_turn, TREE)
+    assert reader.pooled and warm.restored == 40  # type: ignore[attr-defined]
+    torch.testing.assert_close(warm.logits, cold.logits, rtol=0, atol=1e-4)
