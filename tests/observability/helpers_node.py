@@ -67,7 +67,9 @@ def main() -> None:
             else:
                 from specdec.engine.verifier import VerifierEngine as Engine
                 from verifier_service.server import start_verifier_server as start
-            engine = Engine(loaded)
+            from specdec.runtime.prefix_cache import PrefixStore
+
+            engine = Engine(loaded, prefix_cache=PrefixStore(64 << 20))  # as `serve` has one by default
             obs.watch_engine(engine)
             server, port = await start(engine, "127.0.0.1", 0, interceptors=obs.server_interceptors,
                                        observers=obs.service_observers)
