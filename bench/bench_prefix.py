@@ -35,6 +35,7 @@ from typing import Any
 from bench.bench_iteration import start_up, stop_up
 from bench.bench_serving import free_port
 from bench.machine import cpu_model
+from orchestrator.sessions import common_prefix
 
 CHAT = (
     "Write a Python function `parse_duration(text)` that turns strings like '1h30m', '45s' or '2h' into "
@@ -77,13 +78,6 @@ def streamed(client, *, chat: list[dict[str, str]] | None, prompt_ids: list[int]
     return {"ttft": first if first is not None else time.perf_counter() - began, "text": "".join(text),
             "prompt_tokens": usage.prompt_tokens if usage is not None else None,
             "cached_tokens": getattr(details, "cached_tokens", None) if details is not None else None}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -121,9 +121,7 @@ class LookaheadRequest:
     want_distributions: bool = False
     bonus_guesses: int = 1
     rejection_guesses: int = 0
-    # The engine's prefix cache shares KV blocks only within one partition (the orchestrator sends the
-    # caller's tenant and cache salt; specdec.runtime.prefix_cache).
-    cache_partition: str = ""
+    cache_partition: str = ""  # as DraftRequest.cache_partition
 
 
 @dataclass
@@ -151,9 +149,7 @@ class ScoreRequest:
     tree_tokens: list[int]
     tree_parents: list[int]
     sampling: SamplingParams
-    # The engine's prefix cache shares KV blocks only within one partition (the orchestrator sends the
-    # caller's tenant and cache salt; specdec.runtime.prefix_cache).
-    cache_partition: str = ""
+    cache_partition: str = ""  # as DraftRequest.cache_partition
 
 
 @dataclass(frozen=True)
@@ -203,9 +199,7 @@ class VerifyRequest:
     # No drafter call runs beside this pass: a verifier sharing its cores with the drafter may use all
     # its threads for it (VerifierEngine threads_beside_drafter).
     drafter_idle: bool = False
-    # The engine's prefix cache shares KV blocks only within one partition (the orchestrator sends the
-    # caller's tenant and cache salt; specdec.runtime.prefix_cache).
-    cache_partition: str = ""
+    cache_partition: str = ""  # as DraftRequest.cache_partition
 
     @property
     def lean(self) -> bool:

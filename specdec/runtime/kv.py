@@ -322,8 +322,13 @@ class TreeKVCache:
             )
         return out.logits[0].float()
 
+    def _count_appended(self, n: int) -> None:
+        """`n` entries were written past the cached ones (a growing cache counts its own; a pooled
+        slot keeps its length itself)."""
+
     def apply(self, plan: ExtendPlan) -> None:
         """Record the entries a pass appended for `plan` (after `forward` or a batched pass)."""
+        self._count_appended(len(plan.tokens))
         self.block_tokens.extend(plan.tokens)
         self.block_parents.extend(plan.parents)
         self._block_depths = plan.depths
@@ -425,7 +430,7 @@ class TreeKVCache:
         states = [(torch.cat([block.states[i][0] for block in found], dim=-2),
                    torch.cat([block.states[i][1] for block in found], dim=-2))
                   for i in range(len(found[0].states))]
-        self.append_prefix([int(t) for t in tokens[first * size:end]], states)
+        self.append_prefix(tokens[first * size:end], states)
         link.published[:] = keys[:first + len(found)]  # this prefix's blocks up to `end` are offered
         return end - have
 
@@ -436,7 +441,8 @@ class TreeKVCache:
         if self.block_len:
             raise CacheError("append_prefix needs an empty block")
         self.append_layer_entries(states)
-        self.prefix = self.prefix + list(tokens)
+        self._count_appended(len(tokens))
+        self.prefix = self.prefix + [int(t) for t in tokens]
         if self.physical_len() != self.prefix_len:
             raise CacheError("appended entries and tokens disagree")
 

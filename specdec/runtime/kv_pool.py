@@ -418,10 +418,9 @@ class PooledTreeKVCache(TreeKVCache):
             return super().forward(plan)
         return self.pool.run([self.row(plan)])[0]
 
-    def apply(self, plan: ExtendPlan) -> None:
+    def _count_appended(self, n: int) -> None:
         if self.pooled:
-            self.length += len(plan.tokens)
-        super().apply(plan)
+            self.length += n
 
     def prefill(self, tokens: Sequence[int]) -> None:
         if self.pooled and self.length + len(tokens) > self.pool.config.slot_tokens:
@@ -450,13 +449,7 @@ class PooledTreeKVCache(TreeKVCache):
                       ) -> None:
         if self.pooled and self.length + len(tokens) > self.pool.config.slot_tokens:
             self._spill()
-        if not self.pooled:
-            return super().append_prefix(tokens, states)
-        if self.block_len:
-            raise CacheError("append_prefix needs an empty block")
-        self.append_layer_entries(states)
-        self.length += len(tokens)
-        self.prefix = self.prefix + [int(t) for t in tokens]
+        super().append_prefix(tokens, states)
 
     def layer_states(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         if not self.pooled:
@@ -478,7 +471,7 @@ class PooledTreeKVCache(TreeKVCache):
                                                         strict=True):
             keys[self.slot, :, self.length:end] = new_keys[0]
             values[self.slot, :, self.length:end] = new_values[0]
-        # The length grows in apply(), which TreeKVCache.extend calls after the batched pass.
+        # The length grows in _count_appended() (apply after a batched pass, append_prefix after a restore).
 
     def _spill(self) -> None:
         """Move this session's entries out of the pool into an eager cache (it outgrew its slot)."""
