@@ -17,7 +17,7 @@ from collections import Counter
 from orchestrator.run import Run
 from orchestrator.store import Store
 from orchestrator.timeline import Timeline
-from specdec.defaults import MODEL_SOURCE
+from specdec.defaults import DraftSource
 from specdec.engine.api import VerifyOutcome
 from specdec.errors import StoreUnavailable
 from specdec.generation import IterationRecord, SourceStats
@@ -30,7 +30,7 @@ CALIBRATION_FLUSH_ITERATIONS = 64  # long requests add their counts to the store
 
 def account(
     run: Run, record: IterationRecord, *, tree: DraftTree, outcome: VerifyOutcome, emitted: list[int],
-    started: float, timeline: Timeline, source: str = MODEL_SOURCE,
+    started: float, timeline: Timeline, source: str = DraftSource.MODEL,
 ) -> None:
     """Complete the iteration's record, add it to the run's statistics and calibration counts."""
     state = run.state
@@ -64,7 +64,7 @@ def account(
         by_source.drafts += 1
         by_source.drafted_tokens += len(tree)
         by_source.accepted_tokens += accepted
-        if record.source == MODEL_SOURCE:  # the pair's calibration is the draft model's acceptance
+        if record.source == DraftSource.MODEL:  # the pair's calibration is the draft model's acceptance
             count_calibration(state.calibration, record.method, tree, outcome.accepted_nodes)
     state.iterations.append(record)
 

@@ -115,7 +115,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from specdec.defaults import MODEL_SOURCE
+from specdec.defaults import DraftSource
 
 if TYPE_CHECKING:
     from specdec.generation import GenerationResult, IterationRecord
@@ -337,7 +337,7 @@ class OrchestratorMetrics:
 def draft_source(record: IterationRecord) -> str:
     """The `source` label of a drafted iteration: its record's source; a record that drafted without
     naming one (written before sources existed) drafted with the model, as the statistics count it."""
-    return record.source or MODEL_SOURCE
+    return record.source or DraftSource.MODEL
 
 
 def _model_name(name: str) -> str:

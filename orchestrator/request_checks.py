@@ -8,7 +8,7 @@ from typing import Any
 
 from orchestrator.config import OrchestratorConfig
 from orchestrator.run import stop_ids
-from specdec.defaults import DRAFT_SOURCES, MODEL_SOURCE
+from specdec.defaults import DRAFT_SOURCES, DraftSource
 from specdec.engine.api import MAX_LOOKAHEAD_GUESSES, ModelInfo
 from specdec.errors import InvalidRequest
 from specdec.generation import GenerationRequest
@@ -99,15 +99,15 @@ def _check_draft_source(source: object, method: str, *, has_drafter: bool) -> No
         raise InvalidRequest(f"draft_source: unknown source {source!r}; choose one of "
                              f"{', '.join(DRAFT_SOURCES)}")
     spec = get_method(method)
-    if source != MODEL_SOURCE and not spec.takes_deterministic_drafts:
+    if source != DraftSource.MODEL and not spec.takes_deterministic_drafts:
         raise InvalidRequest(
             f"draft_source {source!r} with method {method!r}: {method} has no exact rule for model-free "
             f"drafts (docs/algorithms.md §15); use draft_source 'model', or a method among "
             f"{', '.join(DETERMINISTIC_METHOD_NAMES)}"
         )
-    if source == MODEL_SOURCE and not has_drafter:
+    if source == DraftSource.MODEL and not has_drafter:
         raise InvalidRequest("draft_source 'model': this deployment runs without a draft model; choose one "
-                             f"of {', '.join(s for s in DRAFT_SOURCES if s != MODEL_SOURCE)}")
+                             f"of {', '.join(s for s in DRAFT_SOURCES if s != DraftSource.MODEL)}")
 
 
 def check_prompt(prompt_ids: Sequence[int], target: ModelInfo) -> None:

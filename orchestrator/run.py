@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from orchestrator import scheduling
 from orchestrator.config import OrchestratorConfig
 from orchestrator.store import RequestRecord
-from specdec.defaults import MODEL_SOURCE
+from specdec.defaults import DraftSource
 from specdec.engine.api import ModelInfo, TextCursor
 from specdec.generation import (
     GenerationRequest,
@@ -60,7 +60,7 @@ class RunSettings:
     adaptive: bool = False  # k is re-picked every iteration (orchestrator.adaptation)
     chat: bool = False  # the prompt came from a chat template (GenerationRequest.messages)
     owner: str = ANONYMOUS  # the identity the request's record is bound to (RequestRecord.owner)
-    draft_source: str = MODEL_SOURCE  # where drafts come from (orchestrator.drafting.SOURCES)
+    draft_source: str = DraftSource.MODEL  # where drafts come from (orchestrator.drafting.SOURCES)
     seeded: bool = False  # the request named its seed: its random streams may be shared with other requests
     cache_salt: str = ""  # with `owner`, the engines' prefix-cache partition (GenerationRequest.cache_salt)
 
@@ -101,7 +101,7 @@ class RunSettings:
             rejection_guesses=int(p.get("rejection_guesses", 0)), adaptive=bool(p.get("adaptive", False)),
             chat=bool(p.get("chat", False)), owner=record.owner,
             # runs stored before draft sources drafted by model
-            draft_source=str(p.get("draft_source", MODEL_SOURCE)),
+            draft_source=str(p.get("draft_source", DraftSource.MODEL)),
             seeded=bool(p.get("seeded", True)),  # unknown for older records: the careful answer
             cache_salt=str(p.get("cache_salt", "")),
         )
@@ -250,7 +250,7 @@ def draft_source_for(requested: str | None, method: str, config: OrchestratorCon
     if requested is not None:
         return requested
     if not get_method(method).takes_deterministic_drafts:
-        return MODEL_SOURCE
+        return DraftSource.MODEL
     return config.draft_source
 
 

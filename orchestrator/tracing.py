@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from orchestrator.probes import IterationProbe, LoopObserver, RequestProbe
-from specdec.defaults import MODEL_SOURCE
+from specdec.defaults import DraftSource
 
 if TYPE_CHECKING:
     from specdec.generation import GenerationResult, IterationRecord
@@ -614,7 +614,7 @@ class _IterationSpan:
             "specdec.method": record.method,
             # where the draft came from; a drafted record without one is the draft model's (as the
             # statistics count it); absent when nothing was drafted
-            "specdec.source": record.source or (MODEL_SOURCE if record.drafted else None),
+            "specdec.source": record.source or (DraftSource.MODEL if record.drafted else None),
             "specdec.a": record.a,
             "specdec.k": record.k,
             "specdec.heads": record.heads,

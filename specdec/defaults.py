@@ -7,6 +7,7 @@ transport for its message limit, the model registry and the benchmark for the de
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 from pathlib import Path
 
 DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b"  # names in specdec.models.REGISTRY
@@ -21,14 +22,22 @@ DEFAULT_K = 2  # draft length of sequence methods, RD's k_max (why 2: Orchestrat
 DEFAULT_TREE_BUDGET = 8  # node budget of gsd-tree
 DEFAULT_A = 0.5  # RD drafting probability
 DEFAULT_PIPELINE = True  # pre-draft the next block while the verifier checks this one
-# Where drafts come from (orchestrator.drafting): "hybrid" picks per iteration between a model-free
-# draft (the request's own n-grams, a cache of recent requests), the draft model and a target-only
-# step; "model", "lookup" and "suffix" use one source only.
-DRAFT_SOURCES = ("hybrid", "model", "lookup", "suffix")
-HYBRID_SOURCE = "hybrid"
-MODEL_SOURCE = "model"  # the draft model; the others are model-free (IterationRecord.source)
-MODEL_FREE_SOURCES = ("lookup", "suffix")
-DEFAULT_DRAFT_SOURCE = "hybrid"
+
+
+class DraftSource(StrEnum):
+    """Where drafts come from: the one declaration of the source names (orchestrator.drafting's
+    registry has one proposer per model-free source). HYBRID picks per iteration between a
+    model-free draft, the draft model and a target-only step; the others use one source only."""
+
+    HYBRID = "hybrid"
+    MODEL = "model"  # the draft model; the others are model-free (IterationRecord.source)
+    LOOKUP = "lookup"  # the request's own n-grams
+    SUFFIX = "suffix"  # the request's tokens and a cache of recent requests
+
+
+DRAFT_SOURCES: tuple[str, ...] = tuple(DraftSource)
+MODEL_FREE_SOURCES: tuple[str, ...] = (DraftSource.LOOKUP, DraftSource.SUFFIX)
+DEFAULT_DRAFT_SOURCE = DraftSource.HYBRID
 
 # Weight precisions a model can be loaded in (specdec.runtime.loading). "int8": every nn.Linear
 # with int8 weights per channel and int8 activations per row, attention in float64 (CPU only;

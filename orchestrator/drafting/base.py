@@ -19,7 +19,7 @@ import torch
 from orchestrator.run import Run, RunSettings
 from orchestrator.sessions import ParkedRows, RunSessions
 from orchestrator.timeline import Timeline
-from specdec.defaults import MODEL_SOURCE
+from specdec.defaults import DraftSource
 from specdec.engine.api import VerifyOutcome
 from specdec.generation import IterationRecord
 from specdec.methods import TARGET_ONLY_VERIFICATION
@@ -61,7 +61,7 @@ class Plan:
     k: int  # the size asked for (IterationRecord.k): draft length, RD k_max or tree budget
     params: MethodParams
     needs_drafter: bool = True  # False: drafted without the draft model (no drafter call)
-    source: str = MODEL_SOURCE  # where the draft comes from (IterationRecord.source)
+    source: str = DraftSource.MODEL  # where the draft comes from (IterationRecord.source)
     pipelined: bool = False  # the next block is pre-drafted while this one is verified (lookahead)
     step_ahead: bool = False  # a target-only step while the drafter looks ahead (lookahead)
 
@@ -77,7 +77,7 @@ class Draft:
     plan: Plan | None = None  # None: a target-only step by plan, or one that replaced a lost draft
     target_only: bool = False
     fallback: bool = False  # target-only because the drafter was away or lost (IterationRecord.fallback)
-    source: str = MODEL_SOURCE  # where the draft came from (IterationRecord.source)
+    source: str = DraftSource.MODEL  # where the draft came from (IterationRecord.source)
     deterministic: bool = False  # model-free: q one-hot at every node, no rows (VerifyRequest.deterministic)
 
 

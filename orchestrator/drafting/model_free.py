@@ -16,11 +16,9 @@ from typing import Protocol
 
 from orchestrator.config import OrchestratorConfig
 from orchestrator.drafting.base import Draft, Drafting, Plan, Step
+from specdec.defaults import DraftSource
 from specdec.model_free import PromptLookup, Proposal, SuffixCache
 from specdec.trees import DraftTree
-
-LOOKUP_SOURCE = "lookup"
-SUFFIX_SOURCE = "suffix"
 
 
 class Proposer(Protocol):
@@ -40,7 +38,7 @@ class Proposer(Protocol):
 class LookupProposer:
     """n-grams of the request's own prompt and output (specdec.model_free.PromptLookup): a sequence."""
 
-    source = LOOKUP_SOURCE
+    source = DraftSource.LOOKUP
 
     def __init__(self, config: OrchestratorConfig) -> None:
         self.index = PromptLookup(min_ngram=min(config.lookup_min_ngram, config.lookup_max_ngram),
@@ -58,7 +56,7 @@ class SuffixProposer:
     """The request's tokens and a cache of recent requests (SuffixCache): a tree. The run's tokens
     enter `cache` when it closes, and `publish_to` too when the run drafts from a private cache."""
 
-    source = SUFFIX_SOURCE
+    source = DraftSource.SUFFIX
 
     def __init__(self, cache: SuffixCache, key: Hashable, prompt: Sequence[int], *,
                  publish_to: SuffixCache | None = None) -> None:

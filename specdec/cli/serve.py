@@ -120,6 +120,7 @@ from specdec.defaults import (
     DEFAULT_MAX_MESSAGE_MB,
     DEFAULT_TARGET_MODEL,
     DRAFT_SOURCES,
+    DraftSource,
 )
 from specdec.runtime.batch_config import (
     DEFAULT_BATCH_WINDOW_MS,
@@ -131,8 +132,6 @@ from specdec.runtime.batch_config import (
 MIB = 1024 * 1024
 # `serve orchestrator --drafter none` (and `up --drafter none`): no drafter at all, no draft model.
 NO_DRAFTER = "none"
-# The one draft source that needs the draft model: refused without a drafter.
-MODEL_SOURCE = "model"
 # What each source drafts from when there is no drafter (said on start).
 WITHOUT_DRAFTER = {
     "hybrid": "model-free drafts (the request's own n-grams, a cache of recent requests) where they pay, "
@@ -518,7 +517,7 @@ def serve_orchestrator(
     if extras.is_redis_url(config.store_url):
         extras.require(extras.REDIS_STORE, "--store-url / $SPECDEC_STORE_URL", "leave the store in memory")
     no_drafter = is_no_drafter(drafter)
-    if no_drafter and config.draft_source == MODEL_SOURCE:
+    if no_drafter and config.draft_source == DraftSource.MODEL:
         raise fail("--drafter none with draft source model (--draft-source or $SPECDEC_DRAFT_SOURCE): that "
                    "source needs a drafter; choose hybrid, lookup or suffix, or give --drafter an address", 2)
     try:

@@ -86,7 +86,7 @@ from specdec.cli.processes import (
     DEFAULT_VERIFIER_PORT,
     ProcessError,
 )
-from specdec.cli.serve import MODEL_SOURCE, NO_DRAFTER, WITHOUT_DRAFTER, DraftSourceOpt, is_no_drafter
+from specdec.cli.serve import NO_DRAFTER, WITHOUT_DRAFTER, DraftSourceOpt, is_no_drafter
 from specdec.defaults import (
     AUTO_PRECISION,
     DEFAULT_DRAFT_MODEL,
@@ -94,6 +94,7 @@ from specdec.defaults import (
     DEFAULT_MAX_MESSAGE_MB,
     DEFAULT_TARGET_MODEL,
     DRAFT_SOURCES,
+    DraftSource,
 )
 from specdec.runtime.batch_config import (
     DEFAULT_BATCH_WINDOW_MS,
@@ -422,7 +423,7 @@ def _check_drafter_options(no_drafter: bool, *, draft: str, draft_source: str | 
     if not no_drafter:
         return
     source = draft_source or from_env or DEFAULT_DRAFT_SOURCE
-    if source == MODEL_SOURCE:
+    if source == DraftSource.MODEL:
         given = "--draft-source model" if draft_source else f"${DRAFT_SOURCE_ENV}=model"
         raise fail(f"--drafter none with {given}: that draft source needs the draft model; use "
                    "--draft-source hybrid, lookup or suffix, or start a drafter", 2)
