@@ -59,7 +59,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from specdec.verification.errors import VerificationError
 
@@ -167,34 +167,42 @@ class Method:
         return ()
 
 
+def _rejection_method(name: str, summary: str, drafting: str, **fields: Any) -> Method:
+    """A method that samples its drafts from Q and verifies them by rejection against Q's rows.
+
+    Token, block, gsd-tree and RD share these needs, their rule's place (`verify_<name>` in
+    `specdec.verification.<name>`) and a draft shape that follows from their drafting; one
+    constructor keeps the table from restating (and drifting on) them per entry.
+    """
+    module = name.replace("-", "_")
+    shape: DraftShape = "tree" if drafting == "tree" else "sequence"
+    return Method(
+        name=name,
+        summary=summary,
+        rule=f"specdec.verification.{module}:verify_{module}",
+        needs_draft_rows=True,
+        needs_random_source=True,
+        draft_strategy="sample",
+        draft_shapes=frozenset({shape}),
+        drafting=drafting,
+        **fields,
+    )
+
+
 METHODS: dict[str, Method] = {
     method.name: method
     for method in (
-        Method(
-            name="token",
-            summary="Leviathan/Chen token verification: accept x̃ with min(1, P/Q), residual norm((P − Q)+)",
-            rule="specdec.verification.token:verify_token",
-            needs_draft_rows=True,
-            needs_random_source=True,
-            draft_strategy="sample",
-            draft_shapes=frozenset({"sequence"}),
+        _rejection_method(
+            "token",
+            "Leviathan/Chen token verification: accept x̃ with min(1, P/Q), residual norm((P − Q)+)",
             drafting="sequence",
-            pipelinable=True,
-            adaptive_length=True,
-            lean_rows=True,
-            deterministic_rule=DRAW_AND_DESCEND,
+            pipelinable=True, adaptive_length=True, lean_rows=True, deterministic_rule=DRAW_AND_DESCEND,
         ),
-        Method(
-            name="block",
-            summary="Sun et al. block verification: judges the block jointly; never fewer tokens than token",
-            rule="specdec.verification.block:verify_block",
-            needs_draft_rows=True,
-            needs_random_source=True,
-            draft_strategy="sample",
-            draft_shapes=frozenset({"sequence"}),
+        _rejection_method(
+            "block",
+            "Sun et al. block verification: judges the block jointly; never fewer tokens than token",
             drafting="sequence",
-            pipelinable=True,
-            deterministic_rule=DRAW_AND_DESCEND,
+            pipelinable=True, deterministic_rule=DRAW_AND_DESCEND,
         ),
         Method(
             name="ersd",
@@ -208,31 +216,18 @@ METHODS: dict[str, Method] = {
             adaptive_length=True,
             deterministic_rule="specdec.verification.ersd:verify_ersd",
         ),
-        Method(
-            name="gsd-tree",
-            summary="multi-candidate tree (children drawn without replacement), recursive rejection",
-            rule="specdec.verification.gsd_tree:verify_gsd_tree",
-            needs_draft_rows=True,
-            needs_random_source=True,
-            draft_strategy="sample",
-            draft_shapes=frozenset({"tree"}),
+        _rejection_method(
+            "gsd-tree",
+            "multi-candidate tree (children drawn without replacement), recursive rejection",
             drafting="tree",
-            lean_rows=True,
-            deterministic_rule=DRAW_AND_DESCEND,
+            lean_rows=True, deterministic_rule=DRAW_AND_DESCEND,
         ),
-        Method(
-            name="rd",
-            summary="randomised drafting: per-position coins with probability a; on tails drafter and "
+        _rejection_method(
+            "rd",
+            "randomised drafting: per-position coins with probability a; on tails drafter and "
             "verifier run concurrently, the token comes from norm((P − aQ)+)",
-            rule="specdec.verification.rd:verify_rd",
-            needs_draft_rows=True,
-            needs_random_source=True,
-            draft_strategy="sample",
-            draft_shapes=frozenset({"sequence"}),
             drafting="coins",
-            pipelinable=True,
-            empty_draft_needs_rows=True,
-            lean_rows=True,
+            pipelinable=True, empty_draft_needs_rows=True, lean_rows=True,
         ),
         Method(
             name="autoregressive",
