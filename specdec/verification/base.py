@@ -12,13 +12,15 @@ distributions (specdec.sampling.warp_logits) of the request's sampling parameter
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
 from specdec.verification.errors import VerificationError
 
@@ -110,6 +112,70 @@ def require_sequence(tree: DraftTree, method: str) -> None:
         raise VerificationError(
             f"method {method!r} verifies sequences only; got parents {list(tree.parents)}"
         )
+
+
+def _has_drafts(tree: DraftTree, params: MethodParams) -> bool:
+    return len(tree) > 0
+
+
+def rejection_rule(
+    method: str,
+    *,
+    sequences_only: bool = True,
+    has_drafts: Callable[[DraftTree, MethodParams], bool] = _has_drafts,
+) -> Callable[[RuleBody], Rule]:
+    """The preamble the rejection rules (token, block, gsd-tree, RD) share, written once.
+
+    The decorated rule checks the draft's shape (`sequences_only`), answers a step with nothing to
+    check (`has_drafts` False: by default an empty tree; it may also run a rule's own parameter
+    checks) by sampling the target's root row without reading a draft row, and hands its body the
+    draft rows, which are then present (the registry's `needs_rows` says so).
+    """
+
+    def decorate(body: RuleBody) -> Rule:
+        @functools.wraps(body)
+        def rule(
+            tree: DraftTree,
+            target: Rows,
+            draft: Rows | None,
+            params: MethodParams,
+            source: RandomSource,
+        ) -> VerifyResult:
+            if sequences_only:
+                require_sequence(tree, method)
+            if not has_drafts(tree, params):  # the step samples the target's row (no draft row is read)
+                return VerifyResult([source.categorical(target.row(0))])
+            assert draft is not None
+            return body(tree, target, draft, params, source)
+
+        return rule
+
+    return decorate
+
+
+def descend(tree: DraftTree, draw: Callable[[int, int], int]) -> VerifyResult:
+    """Walk `tree` from the root: emit `draw(node, depth)` at each node and descend into the child
+    carrying it; stop at a leaf or where no child matches. ERSD (races) and draw-and-descend (target
+    samples) are this one walk with different draws, so it is written once.
+    """
+    node, depth = -1, 0
+    tokens: list[int] = []
+    accepted: list[int] = []
+    flags: list[bool] = []
+    while True:
+        y = draw(node, depth)
+        tokens.append(y)
+        children = tree.children(node)
+        if not children:
+            break
+        match = next((c for c in children if tree.tokens[c] == y), None)
+        if match is None:
+            flags.append(False)
+            break
+        flags.append(True)
+        accepted.append(match)
+        node, depth = match, depth + 1
+    return VerifyResult(tokens, accepted, flags)
 
 
 class Rows:
@@ -215,3 +281,8 @@ class Rows:
             b.copy_(other.raw[start:stop, c0:c1])
             total += a.addcmul_(b, their_scale).clamp_min_(0.0).sum(dim=1)
         return total.tolist()
+
+
+# A rejection rule's body sees the draft rows present; the registered rule may be handed None.
+RuleBody = Callable[[DraftTree, Rows, Rows, MethodParams, RandomSource], VerifyResult]
+Rule = Callable[[DraftTree, Rows, "Rows | None", MethodParams, RandomSource], VerifyResult]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
-from specdec.verification.base import MethodParams, Rows, VerifyResult, require_sequence, residual
+from specdec.verification.base import MethodParams, Rows, VerifyResult, rejection_rule, residual
 
 
 def block_weights(p: list[float], q: list[float]) -> list[float]:
@@ -29,18 +29,11 @@ def block_weights(p: list[float], q: list[float]) -> list[float]:
     return weights
 
 
+@rejection_rule("block")
 def verify_block(
-    tree: DraftTree,
-    target: Rows,
-    draft: Rows | None,
-    params: MethodParams,
-    source: RandomSource,
+    tree: DraftTree, target: Rows, draft: Rows, params: MethodParams, source: RandomSource
 ) -> VerifyResult:
-    require_sequence(tree, "block")
     k = len(tree)
-    if k == 0:  # nothing to check: the step samples the target's row (no draft row is read)
-        return VerifyResult([source.categorical(target.row(0))])
-    assert draft is not None
     positions = list(range(k))
     w = block_weights(target.at(positions, tree.tokens), draft.at(positions, tree.tokens))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
-from specdec.verification.base import MethodParams, Rows, VerificationError, VerifyResult
+from specdec.verification.base import MethodParams, Rows, VerificationError, VerifyResult, descend
 
 
 def verify_deterministic(
@@ -32,21 +32,4 @@ def verify_deterministic(
 ) -> VerifyResult:
     if source is None:
         raise VerificationError("draw-and-descend needs a RandomSource")
-    node = -1
-    tokens: list[int] = []
-    accepted: list[int] = []
-    flags: list[bool] = []
-    while True:
-        y = source.categorical(target.row(node + 1))
-        tokens.append(y)
-        children = tree.children(node)
-        if not children:
-            break
-        match = next((c for c in children if tree.tokens[c] == y), None)
-        if match is None:
-            flags.append(False)
-            break
-        flags.append(True)
-        accepted.append(match)
-        node = match
-    return VerifyResult(tokens, accepted, flags)
+    return descend(tree, lambda node, _depth: source.categorical(target.row(node + 1)))

@@ -14,7 +14,7 @@ import torch
 from specdec.races import race, race_scores, sole_support
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
-from specdec.verification.base import MethodParams, Rows, VerificationError, VerifyResult
+from specdec.verification.base import MethodParams, Rows, VerificationError, VerifyResult, descend
 
 
 def verify_ersd(
@@ -26,30 +26,18 @@ def verify_ersd(
 ) -> VerifyResult:
     if params.position < 0:
         raise VerificationError(f"position must be >= 0, got {params.position}")
-    node, depth = -1, 0
-    tokens: list[int] = []
-    accepted: list[int] = []
-    flags: list[bool] = []
-    while True:
+
+    def winner(node: int, depth: int) -> int:
         # argmin e/D does not change when D is scaled, so the raw row is used as sent (race_scores
         # reads it in float64 on the race's device, the CPU) and no normalisation pass is needed.
         row = target.raw[node + 1]
-        winner = sole_support(row)
-        if winner is None:
+        token = sole_support(row)
+        if token is None:
             e = race(params.seed, params.position + depth, target.vocab)
             scores = race_scores(e, row)
-            winner = int(torch.argmin(scores).item())
-            if not bool(torch.isfinite(scores[winner])):
+            token = int(torch.argmin(scores).item())
+            if not bool(torch.isfinite(scores[token])):
                 raise VerificationError(f"target row {node + 1} has no positive mass")
-        tokens.append(winner)
-        children = tree.children(node)
-        if not children:
-            break
-        match = next((c for c in children if tree.tokens[c] == winner), None)
-        if match is None:
-            flags.append(False)
-            break
-        flags.append(True)
-        accepted.append(match)
-        node, depth = match, depth + 1
-    return VerifyResult(tokens, accepted, flags)
+        return token
+
+    return descend(tree, winner)

@@ -14,19 +14,13 @@ import torch
 
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
-from specdec.verification.base import MethodParams, Rows, VerifyResult, acceptance, residual
+from specdec.verification.base import MethodParams, Rows, VerifyResult, acceptance, rejection_rule, residual
 
 
+@rejection_rule("gsd-tree", sequences_only=False)
 def verify_gsd_tree(
-    tree: DraftTree,
-    target: Rows,
-    draft: Rows | None,
-    params: MethodParams,
-    source: RandomSource,
+    tree: DraftTree, target: Rows, draft: Rows, params: MethodParams, source: RandomSource
 ) -> VerifyResult:
-    if len(tree) == 0:  # nothing to check: the step samples the target's row (no draft row is read)
-        return VerifyResult([source.categorical(target.row(0))])
-    assert draft is not None
     node = -1
     accepted: list[int] = []
     flags: list[bool] = []

@@ -18,7 +18,7 @@ from specdec.verification.base import (
     VerificationError,
     VerifyResult,
     acceptance,
-    require_sequence,
+    rejection_rule,
     residual,
 )
 
@@ -38,25 +38,26 @@ def leading_heads(a: float, k_max: int, source: RandomSource) -> int:
     return heads
 
 
+def _has_drafts(tree: DraftTree, params: MethodParams) -> bool:
+    """RD's parameter checks, then whether the step reads a draft row: only a = 0 does not (it
+    never drafts, so the step samples the target's row); with a > 0 even an empty tree is the
+    no-draft step, which emits from norm((P_1 − a·Q_1)+)."""
+    check_drafting_probability(params.a)
+    check_k_max(params.k_max)
+    k = len(tree)
+    if k > params.k_max:
+        raise VerificationError(f"RD tree holds {k} drafts but k_max is {params.k_max}")
+    if params.a == 0.0 and k:
+        raise VerificationError(f"RD with a = 0 never drafts, got {k} draft tokens")
+    return params.a != 0.0
+
+
+@rejection_rule("rd", has_drafts=_has_drafts)
 def verify_rd(
-    tree: DraftTree,
-    target: Rows,
-    draft: Rows | None,
-    params: MethodParams,
-    source: RandomSource,
+    tree: DraftTree, target: Rows, draft: Rows, params: MethodParams, source: RandomSource
 ) -> VerifyResult:
     a, k_max = params.a, params.k_max
-    check_drafting_probability(a)
-    check_k_max(k_max)
-    require_sequence(tree, "rd")
     k = len(tree)
-    if k > k_max:
-        raise VerificationError(f"RD tree holds {k} drafts but k_max is {k_max}")
-    if a == 0.0:
-        if k:
-            raise VerificationError(f"RD with a = 0 never drafts, got {k} draft tokens")
-        return VerifyResult([source.categorical(target.row(0))])
-    assert draft is not None
     positions = list(range(k))
     for i, x in enumerate(tree.tokens):
         if not source.bernoulli(acceptance(target.at([i], [x])[0], a * draft.at([i], [x])[0])):

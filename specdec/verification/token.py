@@ -9,28 +9,14 @@ from __future__ import annotations
 
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
-from specdec.verification.base import (
-    MethodParams,
-    Rows,
-    VerifyResult,
-    acceptance,
-    require_sequence,
-    residual,
-)
+from specdec.verification.base import MethodParams, Rows, VerifyResult, acceptance, rejection_rule, residual
 
 
+@rejection_rule("token")
 def verify_token(
-    tree: DraftTree,
-    target: Rows,
-    draft: Rows | None,
-    params: MethodParams,
-    source: RandomSource,
+    tree: DraftTree, target: Rows, draft: Rows, params: MethodParams, source: RandomSource
 ) -> VerifyResult:
-    require_sequence(tree, "token")
     k = len(tree)
-    if k == 0:  # nothing to check: the step samples the target's row (no draft row is read)
-        return VerifyResult([source.categorical(target.row(0))])
-    assert draft is not None
     positions = list(range(k))
     for i, x in enumerate(tree.tokens):
         # Row by row: the work (row sums) stops where the path stops.
