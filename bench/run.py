@@ -139,6 +139,21 @@ class RunRecord:
     decode_seconds: float = 0.0
 
 
+# RunRecord's fields read straight off a run's GenerationStats (record field: stats field), so a
+# pipelined run's record is filled by one loop over specdec.generation.stats_values.
+RECORD_FROM_STATS = {
+    "target_calls": "iterations",
+    "drafted": "drafted_tokens",
+    "accepted": "accepted_tokens",
+    "pre_drafts_used": "pre_drafts_used",
+    "pre_drafts_dropped": "pre_drafts_dropped",
+    "pre_draft_bonus_hits": "pre_draft_bonus_hits",
+    "pre_draft_rejection_hits": "pre_draft_rejection_hits",
+    "overlap_seconds": "overlap_seconds",
+    "verifier_busy_seconds": "verify_seconds",
+}
+
+
 # ----------------------------------------------------------------------------------------------
 # timing wrappers around the clients: per-call engine compute, for the overhead figure
 # ----------------------------------------------------------------------------------------------
@@ -309,7 +324,7 @@ def run_hf(target, draft, prompt: list[int], settings: BenchSettings, seed: int,
 async def run_pipeline(
     orchestrator, log: CallLog, prompt: list[int], cfg: RunConfig, settings: BenchSettings, seed: int
 ) -> RunRecord:
-    from specdec.generation import GenerationRequest
+    from specdec.generation import GenerationRequest, stats_values
     from specdec.sampling import SamplingParams
 
     request = GenerationRequest(
@@ -331,7 +346,8 @@ async def run_pipeline(
     began = time.perf_counter()
     result = await orchestrator.generate(request)
     seconds = time.perf_counter() - began
-    stats = result.stats
+    stats = stats_values(result.stats)
+    from_stats = {field: stats[name] for field, name in RECORD_FROM_STATS.items()}
     first, last = result.iterations[0], result.iterations[-1]
     return RunRecord(
         config=cfg.name,
@@ -339,17 +355,9 @@ async def run_pipeline(
         prompt="",
         tokens=len(result.token_ids),
         seconds=seconds,
-        target_calls=stats.iterations,
-        drafted=stats.drafted_tokens,
-        accepted=stats.accepted_tokens,
+        **{field: tuple(v) if isinstance(v, list) else v for field, v in from_stats.items()},
         iterations=log.iterations,
         iteration_seconds=log.iteration_seconds,
-        pre_drafts_used=stats.pre_drafts_used,
-        pre_drafts_dropped=stats.pre_drafts_dropped,
-        pre_draft_bonus_hits=tuple(stats.pre_draft_bonus_hits),
-        pre_draft_rejection_hits=tuple(stats.pre_draft_rejection_hits),
-        overlap_seconds=stats.overlap_seconds,
-        verifier_busy_seconds=stats.verify_seconds,
         busy_seconds=log.busy_seconds,
         overhead_seconds=max(0.0, log.iteration_seconds - log.busy_seconds),
         decode_tokens=len(result.token_ids) - len(first.emitted),

@@ -6,7 +6,9 @@ clients share one definition.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 from specdec.sampling_params import SamplingParams
 
@@ -115,6 +117,36 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+def stats_values(stats: Any) -> dict[str, Any]:
+    """The stored fields of a GenerationStats as plain values, read by name off `stats`.
+
+    `stats` is the dataclass or its wire message (generation_pb2.GenerationStats, which names its
+    fields the same), so this is the one place that walks what a GenerationStats holds and every
+    conversion (the proto both ways, the benchmark's records) follows a new field without an edit.
+    Counters come back as int, seconds as float, per-position lists as lists and `sources` as
+    {name: {SourceStats field: value}}; the derived rates are not stored fields and are left out.
+    """
+    values: dict[str, Any] = {}
+    for f in fields(GenerationStats):
+        value = getattr(stats, f.name)
+        if f.name == "sources":
+            counts = [g.name for g in fields(SourceStats)]
+            value = {name: {c: int(getattr(s, c)) for c in counts} for name, s in value.items()}
+        elif f.default is MISSING:  # a list (default_factory): element checks are the caller's
+            value = list(value)
+        else:
+            value = type(f.default)(value)
+        values[f.name] = value
+    return values
+
+
+def stats_from_values(values: Mapping[str, Any]) -> GenerationStats:
+    """stats_values' form back (a form without per-source counts has none)."""
+    values = dict(values)
+    sources = {name: SourceStats(**s) for name, s in values.pop("sources", {}).items()}
+    return GenerationStats(**values, sources=sources)
 
 
 @dataclass

@@ -19,7 +19,8 @@ from specdec.generation import (
     GenerationResult,
     GenerationStats,
     IterationRecord,
-    SourceStats,
+    stats_from_values,
+    stats_values,
 )
 from specdec.rpc.v1 import common_pb2, generation_pb2
 from specdec.sampling_params import SamplingParams
@@ -163,56 +164,21 @@ def _resume_id(request_id: str) -> str:
 
 
 def generation_stats_to_proto(stats: GenerationStats) -> generation_pb2.GenerationStats:
+    """Every stored field by name (specdec.generation.stats_values), plus the derived rates."""
+    values = stats_values(stats)
+    sources = values.pop("sources")
+    plain = {name: to_ints(v, name) if isinstance(v, list) else v for name, v in values.items()}
     return generation_pb2.GenerationStats(
-        iterations=int(stats.iterations),
-        drafted_iterations=int(stats.drafted_iterations),
-        drafted_tokens=int(stats.drafted_tokens),
-        accepted_tokens=int(stats.accepted_tokens),
-        new_tokens=int(stats.new_tokens),
-        seconds=float(stats.seconds),
-        draft_seconds=float(stats.draft_seconds),
-        verify_seconds=float(stats.verify_seconds),
-        overlap_seconds=float(stats.overlap_seconds),
-        accepted_per_position=to_ints(stats.accepted_per_position, "accepted_per_position"),
-        drafted_per_position=to_ints(stats.drafted_per_position, "drafted_per_position"),
-        fallback_iterations=int(stats.fallback_iterations),
+        **plain,
         tokens_per_second=float(stats.tokens_per_second),
         acceptance_rate=float(stats.acceptance_rate),
-        pre_drafts_used=int(stats.pre_drafts_used),
-        pre_drafts_dropped=int(stats.pre_drafts_dropped),
-        pre_draft_bonus_hits=to_ints(stats.pre_draft_bonus_hits, "pre_draft_bonus_hits"),
-        pre_draft_rejection_hits=to_ints(stats.pre_draft_rejection_hits, "pre_draft_rejection_hits"),
-        sources={name: generation_pb2.SourceStats(drafts=int(s.drafts), drafted_tokens=int(s.drafted_tokens),
-                                                  accepted_tokens=int(s.accepted_tokens))
-                 for name, s in stats.sources.items()},
-        cached_tokens=int(stats.cached_tokens),
+        sources={name: generation_pb2.SourceStats(**counts) for name, counts in sources.items()},
     )
 
 
 def generation_stats_from_proto(msg: generation_pb2.GenerationStats) -> GenerationStats:
     """The derived fields (tokens_per_second, acceptance_rate) are recomputed, not read."""
-    return GenerationStats(
-        iterations=msg.iterations,
-        drafted_iterations=msg.drafted_iterations,
-        drafted_tokens=msg.drafted_tokens,
-        accepted_tokens=msg.accepted_tokens,
-        new_tokens=msg.new_tokens,
-        seconds=msg.seconds,
-        draft_seconds=msg.draft_seconds,
-        verify_seconds=msg.verify_seconds,
-        overlap_seconds=msg.overlap_seconds,
-        accepted_per_position=list(msg.accepted_per_position),
-        drafted_per_position=list(msg.drafted_per_position),
-        fallback_iterations=msg.fallback_iterations,
-        pre_drafts_used=msg.pre_drafts_used,
-        pre_drafts_dropped=msg.pre_drafts_dropped,
-        pre_draft_bonus_hits=list(msg.pre_draft_bonus_hits),
-        pre_draft_rejection_hits=list(msg.pre_draft_rejection_hits),
-        sources={name: SourceStats(drafts=s.drafts, drafted_tokens=s.drafted_tokens,
-                                   accepted_tokens=s.accepted_tokens)
-                 for name, s in msg.sources.items()},
-        cached_tokens=msg.cached_tokens,
-    )
+    return stats_from_values(stats_values(msg))
 
 
 def _intervals(intervals: Iterable[tuple[float, float]]) -> list[generation_pb2.Interval]:
