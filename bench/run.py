@@ -234,7 +234,7 @@ class TimedVerifier:
         outcome = await self.inner.verify(request)
         extra = {
             "verify_seconds": float(outcome.verify_seconds),
-            "score_reused": bool(outcome.extra.get("score_reused", 0.0)),
+            "score_reused": bool(outcome.score_reused),
         }
         self.log.calls.append(("verify", start, time.perf_counter(), float(outcome.forward_seconds), extra))
         return outcome

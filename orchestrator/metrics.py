@@ -492,7 +492,7 @@ class _EngineObserver:
         if result is None:
             return
         if rpc == "Verify":
-            if not result.extra.get("score_reused", 0.0):  # else counted in its Score call
+            if not result.score_reused:  # else counted in its Score call
                 owner.forward_seconds.labels(role, rpc).observe(result.forward_seconds)
             method = str(getattr(request, "method", ""))
             owner.verification_seconds.labels(method).observe(result.verify_seconds)

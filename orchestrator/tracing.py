@@ -693,13 +693,13 @@ class EngineSpans:
                         {"specdec.reused_tokens": result.reused_tokens})
 
     def _verify(self, span: Any, ctx: Any, result: Any, start_ns: int, end_ns: int) -> None:
-        score_reused = bool(result.extra.get("score_reused", 0.0))
+        score_reused = bool(result.score_reused)
         _set(span, {"specdec.accepted": len(result.accepted_nodes), "specdec.emitted": len(result.tokens),
                     "specdec.num_drafted": result.num_drafted, "specdec.reused_tokens": result.reused_tokens,
                     "specdec.forward_seconds": result.forward_seconds,
                     "specdec.verification_seconds": result.verify_seconds,
                     "specdec.score_reused": score_reused,
-                    "specdec.pending_tokens": int(result.extra.get("pending_tokens", 0)),
+                    "specdec.pending_tokens": int(result.pending_tokens),
                     "specdec.draft_rows_needed": len(result.draft_rows_needed)})
         verify_ns = int(result.verify_seconds * 1e9)
         verification_start = max(start_ns, end_ns - verify_ns)

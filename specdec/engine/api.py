@@ -49,6 +49,29 @@ class ModelInfo:
     dtype: str = "float32"
 
 
+@dataclass(frozen=True, eq=False)  # eq by identity: a tensor has no single truth value to compare by
+class DraftFeatures:
+    """The target's hidden states at some committed positions: what an EAGLE- or Medusa-style draft
+    head conditions on (it predicts the next tokens from the target's last hidden layer, not from a
+    draft model's own pass). A declared channel: asked for with VerifyRequest.want_features, carried
+    back in VerifyOutcome.features and forward in DraftRequest.features, so a head can be added
+    without touching the protos, convert.py or the servers again. Today's engines do not fill it
+    (VerifierEngine answers features=None: the scoring pass returns logits only) and the model
+    drafter ignores it.
+
+    `positions`: absolute indexes into the session's committed sequence, ascending (the tokens whose
+    target pass produced the states: the accepted path and the pending tokens forwarded with it; the
+    extra token has no state yet). `hidden`: float32 [len(positions), hidden_size], the last layer."""
+
+    positions: tuple[int, ...]
+    hidden: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.hidden.dim() != 2 or self.hidden.shape[0] != len(self.positions):
+            raise InvalidRequest(f"features.hidden must be [{len(self.positions)}, hidden_size] (one row per "
+                                 f"position), got {list(self.hidden.shape)}")
+
+
 @dataclass
 class DraftRequest:
     session_id: str
@@ -69,6 +92,9 @@ class DraftRequest:
     # The engine's prefix cache shares KV blocks only within one partition (the orchestrator sends the
     # caller's tenant and cache salt; specdec.runtime.prefix_cache).
     cache_partition: str = ""
+    # The verifier's hidden states from the last verify (VerifyOutcome.features), for a draft head;
+    # None: none sent. Declared only: the model drafter ignores them.
+    features: DraftFeatures | None = None
 
 
 @dataclass
@@ -200,6 +226,9 @@ class VerifyRequest:
     # its threads for it (VerifierEngine threads_beside_drafter).
     drafter_idle: bool = False
     cache_partition: str = ""  # as DraftRequest.cache_partition
+    # Also return the target's hidden states for a draft head (VerifyOutcome.features). Off by default:
+    # no cost unless asked. The engine may still answer None (today's VerifierEngine always does).
+    want_features: bool = False
 
     @property
     def lean(self) -> bool:
@@ -221,6 +250,12 @@ class VerifyOutcome:
     """tokens is empty exactly when draft_rows_needed is not: a lean verify reached draft rows it
     was not given; nothing was committed, and the same request with those rows too decides.
 
+    The pass-shape fields tell the orchestrator what this call's forward pass cost, beside its own
+    draft (orchestrator.adaptation.SourceEstimates): `pass_calls` calls were batched into it and it
+    carried `pass_rows` query rows (padding included; specdec.runtime.batching). Both describe a pass
+    of this call's own: when it reused an earlier pass (an early Score, a lean retry) pass_calls is 1
+    and pass_rows None (unknown).
+
     The text fields answer a request with `text` set (else they are empty / None). With `settled`
     the caller's text of committed[start:read] (request.text's cursor), for each n in
     1..len(tokens): settled + "".join(text_pieces[:n]) + text_tails[n - 1] is the one-shot
@@ -237,7 +272,11 @@ class VerifyOutcome:
     forward_seconds: float = 0.0
     verify_seconds: float = 0.0
     reused_tokens: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+    pass_calls: int = 1  # calls batched into this call's forward pass (1: alone, or no pass of its own)
+    pass_rows: int | None = None  # query rows of that pass, padding included; None: no pass of its own
+    pending_tokens: int = 0  # committed tokens forwarded with the tree (the last extra token + uncached ones)
+    score_reused: bool = False  # the rows came from an earlier Score call (its time was counted there)
+    text_fallbacks: int = 0  # text steps decoded from the output's start (specdec.runtime.detokenize)
     draft_rows_needed: list[int] = field(default_factory=list)
     # One per emitted token: the text it settles ("" while it ends mid-character or adds nothing).
     text_pieces: list[str] = field(default_factory=list)
@@ -248,3 +287,6 @@ class VerifyOutcome:
     # asked for, or (never expected) the engine could not make it: decode the ids instead.
     text_cursor: TextCursor | None = None
     cached_tokens: int = 0  # committed tokens whose KV entries came from the prefix cache in this call
+    # With request.want_features, when the engine can: the target's hidden states for the positions
+    # this call's pass forwarded and kept (DraftFeatures). None: not asked, or not available.
+    features: DraftFeatures | None = None

@@ -267,6 +267,9 @@ class VerifierEngine:
             session.scored = _Scored(key, score, seconds)
 
     def verify(self, request: VerifyRequest) -> VerifyOutcome:
+        """Score (or take the early Score's rows), verify and commit; see the module docstring.
+        request.want_features is accepted but answered with features=None: the scoring pass returns
+        logits only (specdec.runtime.scoring), so the draft-head channel is declared, not yet filled."""
         tree = self._tree(request.tree_tokens, request.tree_parents)
         _check_sampling(request.sampling)
         check_partition(request.cache_partition)
@@ -327,7 +330,7 @@ class VerifierEngine:
                     tokens=[], accepted_nodes=[], accept_flags=[], num_drafted=len(tree),
                     committed_len=len(committed), forward_seconds=forward_seconds,
                     verify_seconds=time.perf_counter() - began, reused_tokens=score.reused,
-                    extra={"pending_tokens": float(score.pending_len), "score_reused": float(reused)},
+                    pending_tokens=score.pending_len, score_reused=reused,
                     draft_rows_needed=list(need.rows), text_cursor=request.text,
                 )
             verify_seconds = time.perf_counter() - began
@@ -349,8 +352,9 @@ class VerifierEngine:
                 verify_seconds=verify_seconds,
                 reused_tokens=score.reused,
                 cached_tokens=score.restored,  # once: the retry of a lean verify decides, as here
-                extra={"pending_tokens": float(score.pending_len), "score_reused": float(reused),
-                       **_pass_extra(shapes)},
+                pending_tokens=score.pending_len,
+                score_reused=reused,
+                **_pass_shape(shapes),
             )
         if request.text is not None:  # after the session's lock: other calls of the session go on
             self._add_text(outcome, ids, request.text)
@@ -367,7 +371,7 @@ class VerifierEngine:
             return
         outcome.text_pieces, outcome.text_tails, outcome.text_cursor = step.pieces, step.tails, step.cursor
         if step.fallbacks:
-            outcome.extra["text_fallbacks"] = float(step.fallbacks)
+            outcome.text_fallbacks = step.fallbacks
 
     def _decode_output(self, ids) -> str:
         """Output text as the user sees it: special tokens (EOS, …) are no text. One short decode per
@@ -439,13 +443,14 @@ class VerifierEngine:
             raise InvalidRequest(f"{'lean draft' if lean is not None else 'draft_probs'}: {exc}") from exc
 
 
-def _pass_extra(shapes: list[PassShape]) -> dict[str, float]:
-    """VerifyOutcome.extra's pass_calls and pass_rows: what the call's forward pass carried, so the
-    orchestrator can tell a batch's cost from its own draft's (orchestrator.adaptation.SourceEstimates)."""
+def _pass_shape(shapes: list[PassShape]) -> dict[str, int]:
+    """VerifyOutcome's pass_calls and pass_rows: what the call's forward pass carried, so the
+    orchestrator can tell a batch's cost from its own draft's (orchestrator.adaptation.SourceEstimates).
+    No pass of its own (an early Score's rows): the defaults, 1 call and rows unknown."""
     if not shapes:
         return {}
-    return {"pass_calls": float(max(shape.calls for shape in shapes)),
-            "pass_rows": float(sum(shape.rows for shape in shapes))}
+    return {"pass_calls": max(shape.calls for shape in shapes),
+            "pass_rows": sum(shape.rows for shape in shapes)}
 
 
 def _to_device(draft: DraftRows, device: torch.device) -> DraftRows:

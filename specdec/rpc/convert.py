@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from specdec.engine.api import (
+    DraftFeatures,
     DraftRequest,
     DraftResult,
     DraftRowsRequest,
@@ -102,6 +103,26 @@ def _optional_tensor(msg, field: str, name: str) -> torch.Tensor | None:
     return tensor_from_proto(getattr(msg, field), name) if msg.HasField(field) else None
 
 
+# ---------------------------------------------------------------------------- draft features
+
+
+def draft_features_to_proto(features: DraftFeatures) -> common_pb2.DraftFeatures:
+    return common_pb2.DraftFeatures(
+        positions=[int(p) for p in features.positions],
+        hidden=tensor_to_proto(features.hidden, "features.hidden"),
+    )
+
+
+def draft_features_from_proto(msg: common_pb2.DraftFeatures) -> DraftFeatures:
+    """Checks that `hidden` has one row per position (DraftFeatures does)."""
+    hidden = tensor_from_proto(msg.hidden, "features.hidden")
+    return DraftFeatures(positions=tuple(msg.positions), hidden=hidden)
+
+
+def _optional_features(msg) -> DraftFeatures | None:
+    return draft_features_from_proto(msg.features) if msg.HasField("features") else None
+
+
 # ------------------------------------------------------------------------------- model info
 
 
@@ -133,7 +154,7 @@ def model_info_from_proto(msg: common_pb2.ModelInfo) -> ModelInfo:
 
 
 def draft_request_to_proto(req: DraftRequest) -> drafter_pb2.DraftRequest:
-    return drafter_pb2.DraftRequest(
+    msg = drafter_pb2.DraftRequest(
         session_id=req.session_id,
         base_len=int(req.base_len),
         append=to_ints(req.append, "append"),
@@ -146,6 +167,9 @@ def draft_request_to_proto(req: DraftRequest) -> drafter_pb2.DraftRequest:
         lean_rows=bool(req.lean_rows),
         cache_partition=req.cache_partition,
     )
+    if req.features is not None:
+        msg.features.CopyFrom(draft_features_to_proto(req.features))
+    return msg
 
 
 def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> DraftRequest:
@@ -161,6 +185,7 @@ def draft_request_from_proto(msg: drafter_pb2.DraftRequest) -> DraftRequest:
         include_leaf_rows=msg.include_leaf_rows,
         lean_rows=msg.lean_rows,
         cache_partition=msg.cache_partition,
+        features=_optional_features(msg),
     )
 
 
@@ -308,6 +333,7 @@ def verify_request_to_proto(req: VerifyRequest) -> verifier_pb2.VerifyRequest:
         deterministic=bool(req.deterministic),
         drafter_idle=bool(req.drafter_idle),
         cache_partition=req.cache_partition,
+        want_features=bool(req.want_features),
     )
     if req.draft_probs is not None:
         msg.draft_probs.CopyFrom(tensor_to_proto(req.draft_probs, "draft_probs"))
@@ -339,6 +365,7 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> VerifyRequest:
         deterministic=msg.deterministic,
         drafter_idle=msg.drafter_idle,
         cache_partition=msg.cache_partition,
+        want_features=msg.want_features,
     )
     lean = req.lean_draft()
     if lean is not None:
@@ -360,13 +387,19 @@ def verify_outcome_to_proto(outcome: VerifyOutcome) -> verifier_pb2.VerifyOutcom
         verify_seconds=float(outcome.verify_seconds),
         reused_tokens=int(outcome.reused_tokens),
         cached_tokens=int(outcome.cached_tokens),
-        extra={str(k): float(v) for k, v in outcome.extra.items()},
+        pass_calls=int(outcome.pass_calls),
+        pass_rows=None if outcome.pass_rows is None else int(outcome.pass_rows),
+        pending_tokens=int(outcome.pending_tokens),
+        score_reused=bool(outcome.score_reused),
+        text_fallbacks=int(outcome.text_fallbacks),
         draft_rows_needed=to_ints(outcome.draft_rows_needed, "draft_rows_needed"),
         text_pieces=list(outcome.text_pieces),
         text_tails=list(outcome.text_tails),
     )
     if outcome.text_cursor is not None:
         msg.text_cursor.CopyFrom(text_cursor_to_proto(outcome.text_cursor))
+    if outcome.features is not None:
+        msg.features.CopyFrom(draft_features_to_proto(outcome.features))
     return msg
 
 
@@ -381,11 +414,16 @@ def verify_outcome_from_proto(msg: verifier_pb2.VerifyOutcome) -> VerifyOutcome:
         verify_seconds=msg.verify_seconds,
         reused_tokens=msg.reused_tokens,
         cached_tokens=msg.cached_tokens,
-        extra=dict(msg.extra),
+        pass_calls=msg.pass_calls if msg.HasField("pass_calls") else 1,
+        pass_rows=msg.pass_rows if msg.HasField("pass_rows") else None,
+        pending_tokens=msg.pending_tokens,
+        score_reused=msg.score_reused,
+        text_fallbacks=msg.text_fallbacks,
         draft_rows_needed=list(msg.draft_rows_needed),
         text_pieces=list(msg.text_pieces),
         text_tails=list(msg.text_tails),
         text_cursor=text_cursor_from_proto(msg.text_cursor) if msg.HasField("text_cursor") else None,
+        features=_optional_features(msg),
     )
 
 

@@ -153,13 +153,13 @@ def test_score_then_verify_reuses_the_forward_pass(verifier):
     verifier.score(ScoreRequest("a", 0, prompt, tokens, parents, T1))
     assert verifier.score_hits == 0
     scored = verifier.verify(verify_request("a", 0, prompt, tokens, parents, "gsd-tree", draft_probs=q))
-    assert verifier.score_hits == 1 and scored.extra["score_reused"] == 1.0
+    assert verifier.score_hits == 1 and scored.score_reused is True
     fresh = verifier.verify(verify_request("b", 0, prompt, tokens, parents, "gsd-tree", draft_probs=q))
-    assert fresh.extra["score_reused"] == 0.0
+    assert fresh.score_reused is False and fresh.pending_tokens == len(prompt)
     # The pass's shape goes with the call that ran it (alone: one call, its own rows), never with a
     # verify that reused an earlier Score call's pass.
-    assert fresh.extra["pass_calls"] == 1.0 and fresh.extra["pass_rows"] >= len(tokens)
-    assert "pass_rows" not in scored.extra
+    assert fresh.pass_calls == 1 and fresh.pass_rows is not None and fresh.pass_rows >= len(tokens)
+    assert (scored.pass_calls, scored.pass_rows) == (1, None)
     assert (scored.tokens, scored.accepted_nodes) == (fresh.tokens, fresh.accepted_nodes)
     assert committed_of(verifier, "a") == committed_of(verifier, "b")
     # A score that arrives after its verify is ignored (and does not rewind the session).
@@ -173,7 +173,7 @@ def test_score_then_verify_reuses_the_forward_pass(verifier):
     out = verifier.verify(
         verify_request("a", n, [], [2], [-1], "token", draft_probs=torch.full((2, 8), 1 / 8))
     )
-    assert out.extra["score_reused"] == 0.0 and out.committed_len == n + len(out.tokens)
+    assert not out.score_reused and out.committed_len == n + len(out.tokens)
 
 
 def test_score_opening_a_session_counts_as_committed(verifier):
@@ -187,7 +187,7 @@ def test_score_opening_a_session_counts_as_committed(verifier):
         verify_request("opened-by-score", len(prompt), [], [], [], "rd",
                        params=MethodParams(a=0.0, k_max=1), draft_probs=q)
     )
-    assert verifier.score_hits == hits + 1 and out.extra["score_reused"] == 1.0
+    assert verifier.score_hits == hits + 1 and out.score_reused
     assert committed_of(verifier, "opened-by-score") == prompt + out.tokens
 
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.engine.api import (
+    DraftFeatures,
     DraftRequest,
     DraftResult,
     LookaheadBranch,
@@ -39,7 +40,6 @@ FAST = settings(max_examples=60, deadline=None)
 
 tokens = st.lists(st.integers(0, 2**31 - 1), max_size=12)
 parents = st.lists(st.integers(-1, 30), max_size=12)
-finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 non_negative = st.floats(0, 1e6, allow_nan=False)
 seeds = st.integers(0, 2**64 - 1)
 sampling = st.builds(
@@ -69,12 +69,26 @@ def prob_rows(draw):
     return torch.tensor(values, dtype=torch.float32).reshape(rows, vocab)
 
 
+@st.composite
+def draft_features(draw) -> DraftFeatures:
+    """Hidden states of any float32 value (NaN and infinities too: the wire keeps their bits)."""
+    positions = draw(st.lists(st.integers(0, 2**40), max_size=4).map(sorted))
+    hidden = draw(st.integers(0, 6))
+    values = draw(st.lists(st.floats(width=32), min_size=len(positions) * hidden,
+                           max_size=len(positions) * hidden))
+    rows = torch.tensor(values, dtype=torch.float32).reshape(len(positions), hidden)
+    return DraftFeatures(tuple(positions), rows)
+
+
 def assert_same(a, b) -> None:
-    """Dataclass equality that compares tensors bit for bit."""
+    """Dataclass equality that compares tensors bit for bit (nested DraftFeatures too)."""
     assert type(a) is type(b)
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        if isinstance(x, DraftFeatures) or isinstance(y, DraftFeatures):
+            assert x is not None and y is not None, f.name
+            assert_same(x, y)
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             assert x is not None and y is not None, f.name
             assert x.dtype == y.dtype == torch.float32 and x.shape == y.shape, f.name
             assert torch.equal(x.view(torch.int32), y.view(torch.int32)), f.name  # bitwise, NaN-safe
@@ -176,12 +190,13 @@ def test_verify_request_with_bad_tensor_names_the_field() -> None:
     strategy=st.sampled_from(["sample", "race"]),
     want=st.booleans(),
     leaf=st.booleans(),
+    features=st.none() | draft_features(),
 )
 def test_draft_request_round_trip(
-    session, base_len, append, shape, params, seed, strategy, want, leaf
+    session, base_len, append, shape, params, seed, strategy, want, leaf, features
 ) -> None:
     req = DraftRequest(session, base_len, append, shape, params, seed, strategy, want, leaf,
-                       cache_partition=session[::-1])
+                       cache_partition=session[::-1], features=features)
     assert_same(convert.draft_request_from_proto(via_bytes(convert.draft_request_to_proto(req))), req)
 
 
@@ -299,12 +314,13 @@ def test_score_request_round_trip(session, base_len, append, tree, pars, params)
     mparams=method_params,
     params=sampling,
     rows=tensor_or_none(prob_rows()),
+    want_features=st.booleans(),
 )
 def test_verify_request_round_trip(
-    session, base_len, append, tree, pars, method, mparams, params, rows
+    session, base_len, append, tree, pars, method, mparams, params, rows, want_features
 ) -> None:
     req = VerifyRequest(session, base_len, append, tree, pars, method, mparams, params, rows,
-                        cache_partition=session[::-1])
+                        cache_partition=session[::-1], want_features=want_features)
     assert_same(convert.verify_request_from_proto(via_bytes(convert.verify_request_to_proto(req))), req)
 
 
@@ -388,16 +404,49 @@ def test_a_lean_verify_is_far_smaller_on_the_wire() -> None:
     fwd=non_negative,
     ver=non_negative,
     reused=st.integers(0, 10**6),
-    extra=st.dictionaries(st.text(max_size=5), finite, max_size=3),
+    calls=st.integers(1, 64),
+    rows=st.none() | st.integers(0, 10**6),
+    pending=st.integers(0, 10**6),
+    score_reused=st.booleans(),
+    fallbacks=st.integers(0, 64),
     needed=st.lists(st.integers(0, 64), max_size=4),
+    features=st.none() | draft_features(),
 )
-def test_verify_outcome_round_trip(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra,
-                                   needed) -> None:
-    outcome = VerifyOutcome(toks, nodes, flags, drafted, committed, fwd, ver, reused, extra, needed,
-                            cached_tokens=reused // 2)
+def test_verify_outcome_round_trip(toks, nodes, flags, drafted, committed, fwd, ver, reused, calls, rows,
+                                   pending, score_reused, fallbacks, needed, features) -> None:
+    outcome = VerifyOutcome(toks, nodes, flags, drafted, committed, fwd, ver, reused, pass_calls=calls,
+                            pass_rows=rows, pending_tokens=pending, score_reused=score_reused,
+                            text_fallbacks=fallbacks, draft_rows_needed=needed, cached_tokens=reused // 2,
+                            features=features)
     assert_same(
         convert.verify_outcome_from_proto(via_bytes(convert.verify_outcome_to_proto(outcome))), outcome
     )
+
+
+def test_verify_outcome_pass_shape_defaults_when_unset() -> None:
+    """An outcome without a pass of its own (or from a verifier that predates the fields): one call,
+    rows unknown; zero rows stays distinct from unknown. The old `extra` map (field 9) is skipped."""
+    old_wire = bytes([0x4A, 0x00])  # field 9, length-delimited, empty: what an old verifier may send
+    back = convert.verify_outcome_from_proto(verifier_pb2.VerifyOutcome.FromString(old_wire))
+    assert (back.pass_calls, back.pass_rows, back.score_reused, back.features) == (1, None, False, None)
+    zero = convert.verify_outcome_to_proto(VerifyOutcome([], [], [], 0, 0, pass_rows=0))
+    assert convert.verify_outcome_from_proto(via_bytes(zero)).pass_rows == 0
+
+
+def test_draft_features_round_trip_bitwise_and_shape_checked() -> None:
+    """The channel keeps every bit of the hidden states, and a message whose rows do not match its
+    positions is refused with the field named."""
+    hidden = torch.tensor([[1.5, float("nan")], [-0.0, float("inf")]], dtype=torch.float32)
+    features = DraftFeatures((7, 8), hidden)
+    back = convert.draft_features_from_proto(via_bytes(convert.draft_features_to_proto(features)))
+    assert back.positions == (7, 8)
+    assert torch.equal(back.hidden.view(torch.int32), hidden.view(torch.int32))
+    bad = convert.draft_features_to_proto(features)
+    del bad.positions[-1]
+    with pytest.raises(InvalidRequest, match="features.hidden"):
+        convert.draft_features_from_proto(bad)
+    with pytest.raises(TypeError, match="features.hidden"):
+        convert.draft_features_to_proto(DraftFeatures((1,), torch.zeros((1, 2), dtype=torch.float64)))
 
 
 def test_model_info_round_trip() -> None:

@@ -106,7 +106,7 @@ class FakeVerifier(Behaviours):
             forward_seconds=0.5,
             verify_seconds=0.125,
             reused_tokens=3,
-            extra={"residual_mass": 0.25},
+            pass_calls=2, pass_rows=9, pending_tokens=1, score_reused=True, text_fallbacks=3,
         )
 
     def tokenize(self, text: str) -> list[int]:
@@ -130,6 +130,7 @@ class FakeOrchestrator:
     def __init__(self) -> None:
         self.requests: list[GenerationRequest] = []
         self.owners: list[str] = []  # the caller identity of each call (specdec.rpc.security)
+        self.callers: list[str | None] = []  # the per-caller cap's key each call was given
         self.stream_closed = asyncio.Event()
 
     def _result(self, request: GenerationRequest) -> GenerationResult:
@@ -162,14 +163,18 @@ class FakeOrchestrator:
         if request.prompt == "crash":
             raise RuntimeError(SECRET)
 
-    async def generate(self, request: GenerationRequest, *, owner: str = ANONYMOUS) -> GenerationResult:
+    async def generate(self, request: GenerationRequest, *, owner: str = ANONYMOUS,
+                       caller: str | None = None) -> GenerationResult:
         self.owners.append(owner)
+        self.callers.append(caller)
         self._check(request)
         await asyncio.sleep(0)
         return self._result(request)
 
-    async def generate_stream(self, request: GenerationRequest, *, owner: str = ANONYMOUS):
+    async def generate_stream(self, request: GenerationRequest, *, owner: str = ANONYMOUS,
+                              caller: str | None = None):
         self.owners.append(owner)
+        self.callers.append(caller)
         self._check(request)
         try:
             result = self._result(request)

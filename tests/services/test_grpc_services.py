@@ -25,6 +25,7 @@ from specdec.errors import EngineError, InvalidRequest, PeerUnavailable, Session
 from specdec.generation import GenerationRequest
 from specdec.rpc import convert
 from specdec.rpc.grpc_support import stop_server
+from specdec.rpc.security import ANONYMOUS
 from specdec.rpc.status import RemoteError
 from specdec.rpc.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.sampling import SamplingParams
@@ -133,7 +134,8 @@ async def test_verifier_round_trip(verifier) -> None:
     assert torch.equal(seen.draft_probs, request.draft_probs)
     assert (seen.params, seen.sampling, seen.tree_parents) == (request.params, request.sampling, [-1, 0])
     assert outcome.tokens == [3, 4, 1] and outcome.accept_flags == [True, True]
-    assert outcome.committed_len == 5 and outcome.extra == {"residual_mass": 0.25}
+    assert outcome.committed_len == 5 and (outcome.pass_calls, outcome.pass_rows) == (2, 9)
+    assert (outcome.pending_tokens, outcome.score_reused, outcome.text_fallbacks) == (1, True, 3)
     ersd = VerifyRequest("s1", 0, [], [3], [-1], "ersd", MethodParams(seed=1), SAMPLING, None)
     await client.verify(ersd)
     assert engine.calls[-1][1].draft_probs is None
@@ -416,6 +418,8 @@ async def test_generate_round_trip(orchestrator) -> None:
     assert fake.requests[-1] == request
     assert result == fake._result(request)
     assert result.stats.acceptance_rate == 0.75
+    # The door passes who called: an anonymous caller is capped by its address (no port)
+    assert fake.owners[-1] == ANONYMOUS and fake.callers[-1] == "peer:ipv4:127.0.0.1"
 
 
 async def test_generate_stream(orchestrator) -> None:

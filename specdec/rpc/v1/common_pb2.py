@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"g\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_p\"S\n\x0cMethodParams\x12\x0e\n\x01\x61\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05k_max\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x10\n\x08position\x18\x04 \x01(\x03\x42\x04\n\x02_a\")\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x10\n\x08\x64\x61ta_f32\x18\x02 \x01(\x0c\"\x9b\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\"\r\n\x0bInfoRequest\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"g\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_p\"S\n\x0cMethodParams\x12\x0e\n\x01\x61\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05k_max\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x10\n\x08position\x18\x04 \x01(\x03\x42\x04\n\x02_a\")\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x10\n\x08\x64\x61ta_f32\x18\x02 \x01(\x0c\"F\n\rDraftFeatures\x12\x11\n\tpositions\x18\x01 \x03(\x03\x12\"\n\x06hidden\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x9b\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\"\r\n\x0bInfoRequest\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,16 +37,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_METHODPARAMS']._serialized_end=227
   _globals['_TENSOR']._serialized_start=229
   _globals['_TENSOR']._serialized_end=270
-  _globals['_MODELINFO']._serialized_start=273
-  _globals['_MODELINFO']._serialized_end=428
-  _globals['_INFOREQUEST']._serialized_start=430
-  _globals['_INFOREQUEST']._serialized_end=443
-  _globals['_RELEASEREQUEST']._serialized_start=445
-  _globals['_RELEASEREQUEST']._serialized_end=481
-  _globals['_RELEASERESPONSE']._serialized_start=483
-  _globals['_RELEASERESPONSE']._serialized_end=500
-  _globals['_CHATMESSAGE']._serialized_start=502
-  _globals['_CHATMESSAGE']._serialized_end=546
-  _globals['_TOKENIDS']._serialized_start=548
-  _globals['_TOKENIDS']._serialized_end=571
+  _globals['_DRAFTFEATURES']._serialized_start=272
+  _globals['_DRAFTFEATURES']._serialized_end=342
+  _globals['_MODELINFO']._serialized_start=345
+  _globals['_MODELINFO']._serialized_end=500
+  _globals['_INFOREQUEST']._serialized_start=502
+  _globals['_INFOREQUEST']._serialized_end=515
+  _globals['_RELEASEREQUEST']._serialized_start=517
+  _globals['_RELEASEREQUEST']._serialized_end=553
+  _globals['_RELEASERESPONSE']._serialized_start=555
+  _globals['_RELEASERESPONSE']._serialized_end=572
+  _globals['_CHATMESSAGE']._serialized_start=574
+  _globals['_CHATMESSAGE']._serialized_end=618
+  _globals['_TOKENIDS']._serialized_start=620
+  _globals['_TOKENIDS']._serialized_end=643
 # @@protoc_insertion_point(module_scope)

@@ -3,8 +3,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -37,6 +37,14 @@ class Tensor(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     data_f32: bytes
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., data_f32: _Optional[bytes] = ...) -> None: ...
+
+class DraftFeatures(_message.Message):
+    __slots__ = ("positions", "hidden")
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    hidden: Tensor
+    def __init__(self, positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "eos_token_ids", "device", "dtype")

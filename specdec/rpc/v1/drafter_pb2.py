@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x9e\x02\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x03\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12\x15\n\rshape_parents\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x15\n\x08strategy\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\x12want_distributions\x18\x08 \x01(\x08\x12\x19\n\x11include_leaf_rows\x18\t \x01(\x08\x12\x11\n\tlean_rows\x18\n \x01(\x08\x12\x17\n\x0f\x63\x61\x63he_partition\x18\x0b \x01(\tB\x0b\n\t_strategy\"\xc4\x01\n\x0b\x44raftResult\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\'\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x17\n\x0f\x66orward_seconds\x18\x04 \x01(\x01\x12\x15\n\rreused_tokens\x18\x05 \x01(\x03\x12\x13\n\x0btoken_probs\x18\x06 \x03(\x01\x12\x0f\n\x07rows_id\x18\x07 \x01(\x04\x12\x15\n\rcached_tokens\x18\x08 \x01(\x03\"E\n\x10\x44raftRowsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07rows_id\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x03(\x05\"\xb1\x02\n\x10LookaheadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x03\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12\t\n\x01k\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x15\n\x08strategy\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\x12want_distributions\x18\x08 \x01(\x08\x12\x1a\n\rbonus_guesses\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x11rejection_guesses\x18\n \x01(\x05\x12\x17\n\x0f\x63\x61\x63he_partition\x18\x0b \x01(\tB\x0b\n\t_strategyB\x10\n\x0e_bonus_guesses\"o\n\x0fLookaheadBranch\x12\x15\n\rreplaces_last\x18\x01 \x01(\x08\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12&\n\ndraft_rows\x18\x04 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x87\x01\n\x0fLookaheadResult\x12-\n\x08\x62ranches\x18\x01 \x03(\x0b\x32\x1b.specdec.v1.LookaheadBranch\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\x12\x15\n\rreused_tokens\x18\x03 \x01(\x03\x12\x15\n\rcached_tokens\x18\x04 \x01(\x03\x32\xcf\x02\n\x0e\x44rafterService\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12:\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x17.specdec.v1.DraftResult\x12\x46\n\tLookahead\x12\x1c.specdec.v1.LookaheadRequest\x1a\x1b.specdec.v1.LookaheadResult\x12=\n\tDraftRows\x12\x1c.specdec.v1.DraftRowsRequest\x1a\x12.specdec.v1.Tensor\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xcb\x02\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x03\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12\x15\n\rshape_parents\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x15\n\x08strategy\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\x12want_distributions\x18\x08 \x01(\x08\x12\x19\n\x11include_leaf_rows\x18\t \x01(\x08\x12\x11\n\tlean_rows\x18\n \x01(\x08\x12\x17\n\x0f\x63\x61\x63he_partition\x18\x0b \x01(\t\x12+\n\x08\x66\x65\x61tures\x18\x0c \x01(\x0b\x32\x19.specdec.v1.DraftFeaturesB\x0b\n\t_strategy\"\xc4\x01\n\x0b\x44raftResult\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\'\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x17\n\x0f\x66orward_seconds\x18\x04 \x01(\x01\x12\x15\n\rreused_tokens\x18\x05 \x01(\x03\x12\x13\n\x0btoken_probs\x18\x06 \x03(\x01\x12\x0f\n\x07rows_id\x18\x07 \x01(\x04\x12\x15\n\rcached_tokens\x18\x08 \x01(\x03\"E\n\x10\x44raftRowsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07rows_id\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x03(\x05\"\xb1\x02\n\x10LookaheadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x03\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12\t\n\x01k\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x15\n\x08strategy\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\x12want_distributions\x18\x08 \x01(\x08\x12\x1a\n\rbonus_guesses\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x11rejection_guesses\x18\n \x01(\x05\x12\x17\n\x0f\x63\x61\x63he_partition\x18\x0b \x01(\tB\x0b\n\t_strategyB\x10\n\x0e_bonus_guesses\"o\n\x0fLookaheadBranch\x12\x15\n\rreplaces_last\x18\x01 \x01(\x08\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12&\n\ndraft_rows\x18\x04 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x87\x01\n\x0fLookaheadResult\x12-\n\x08\x62ranches\x18\x01 \x03(\x0b\x32\x1b.specdec.v1.LookaheadBranch\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\x12\x15\n\rreused_tokens\x18\x03 \x01(\x03\x12\x15\n\rcached_tokens\x18\x04 \x01(\x03\x32\xcf\x02\n\x0e\x44rafterService\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12:\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x17.specdec.v1.DraftResult\x12\x46\n\tLookahead\x12\x1c.specdec.v1.LookaheadRequest\x1a\x1b.specdec.v1.LookaheadResult\x12=\n\tDraftRows\x12\x1c.specdec.v1.DraftRowsRequest\x1a\x12.specdec.v1.Tensor\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.drafter_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTREQUEST']._serialized_start=66
-  _globals['_DRAFTREQUEST']._serialized_end=352
-  _globals['_DRAFTRESULT']._serialized_start=355
-  _globals['_DRAFTRESULT']._serialized_end=551
-  _globals['_DRAFTROWSREQUEST']._serialized_start=553
-  _globals['_DRAFTROWSREQUEST']._serialized_end=622
-  _globals['_LOOKAHEADREQUEST']._serialized_start=625
-  _globals['_LOOKAHEADREQUEST']._serialized_end=930
-  _globals['_LOOKAHEADBRANCH']._serialized_start=932
-  _globals['_LOOKAHEADBRANCH']._serialized_end=1043
-  _globals['_LOOKAHEADRESULT']._serialized_start=1046
-  _globals['_LOOKAHEADRESULT']._serialized_end=1181
-  _globals['_DRAFTERSERVICE']._serialized_start=1184
-  _globals['_DRAFTERSERVICE']._serialized_end=1519
+  _globals['_DRAFTREQUEST']._serialized_end=397
+  _globals['_DRAFTRESULT']._serialized_start=400
+  _globals['_DRAFTRESULT']._serialized_end=596
+  _globals['_DRAFTROWSREQUEST']._serialized_start=598
+  _globals['_DRAFTROWSREQUEST']._serialized_end=667
+  _globals['_LOOKAHEADREQUEST']._serialized_start=670
+  _globals['_LOOKAHEADREQUEST']._serialized_end=975
+  _globals['_LOOKAHEADBRANCH']._serialized_start=977
+  _globals['_LOOKAHEADBRANCH']._serialized_end=1088
+  _globals['_LOOKAHEADRESULT']._serialized_start=1091
+  _globals['_LOOKAHEADRESULT']._serialized_end=1226
+  _globals['_DRAFTERSERVICE']._serialized_start=1229
+  _globals['_DRAFTERSERVICE']._serialized_end=1564
 # @@protoc_insertion_point(module_scope)

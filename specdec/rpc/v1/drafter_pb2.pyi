@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "shape_parents", "sampling", "seed", "strategy", "want_distributions", "include_leaf_rows", "lean_rows", "cache_partition")
+    __slots__ = ("session_id", "base_len", "append", "shape_parents", "sampling", "seed", "strategy", "want_distributions", "include_leaf_rows", "lean_rows", "cache_partition", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class DraftRequest(_message.Message):
     INCLUDE_LEAF_ROWS_FIELD_NUMBER: _ClassVar[int]
     LEAN_ROWS_FIELD_NUMBER: _ClassVar[int]
     CACHE_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -33,7 +34,8 @@ class DraftRequest(_message.Message):
     include_leaf_rows: bool
     lean_rows: bool
     cache_partition: str
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., shape_parents: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., want_distributions: _Optional[bool] = ..., include_leaf_rows: _Optional[bool] = ..., lean_rows: _Optional[bool] = ..., cache_partition: _Optional[str] = ...) -> None: ...
+    features: _common_pb2.DraftFeatures
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., shape_parents: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., want_distributions: _Optional[bool] = ..., include_leaf_rows: _Optional[bool] = ..., lean_rows: _Optional[bool] = ..., cache_partition: _Optional[str] = ..., features: _Optional[_Union[_common_pb2.DraftFeatures, _Mapping]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("tokens", "parents", "draft_probs", "forward_seconds", "reused_tokens", "token_probs", "rows_id", "cached_tokens")

@@ -25,37 +25,33 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xb6\x01\n\x0cScoreRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x03\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12\x13\n\x0btree_tokens\x18\x04 \x03(\x05\x12\x14\n\x0ctree_parents\x18\x05 \x03(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x17\n\x0f\x63\x61\x63he_partition\x18\x07 \x01(\t\"\x0f\n\rScoreResponse\"\xd1\x03\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x03\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12\x13\n\x0btree_tokens\x18\x04 \x03(\x05\x12\x14\n\x0ctree_parents\x18\x05 \x03(\x05\x12\x0e\n\x06method\x18\x06 \x01(\t\x12(\n\x06params\x18\x07 \x01(\x0b\x32\x18.specdec.v1.MethodParams\x12,\n\x08sampling\x18\x08 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\'\n\x0b\x64raft_probs\x18\t \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x19\n\x11\x64raft_token_probs\x18\n \x03(\x01\x12\x19\n\x11\x64raft_row_indices\x18\x0b \x03(\x05\x12,\n\x10\x64raft_row_values\x18\x0c \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04text\x18\r \x01(\x0b\x32\x16.specdec.v1.TextCursor\x12\x15\n\rdeterministic\x18\x0e \x01(\x08\x12\x14\n\x0c\x64rafter_idle\x18\x0f \x01(\x08\x12\x17\n\x0f\x63\x61\x63he_partition\x18\x10 \x01(\t\"9\n\nTextCursor\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0e\n\x06prefix\x18\x02 \x01(\x03\x12\x0c\n\x04read\x18\x03 \x01(\x03\"\xac\x03\n\rVerifyOutcome\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\x12\x14\n\x0c\x61\x63\x63\x65pt_flags\x18\x03 \x03(\x08\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\x05\x12\x15\n\rcommitted_len\x18\x05 \x01(\x03\x12\x17\n\x0f\x66orward_seconds\x18\x06 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x07 \x01(\x01\x12\x15\n\rreused_tokens\x18\x08 \x01(\x03\x12\x15\n\rcached_tokens\x18\x0e \x01(\x03\x12\x33\n\x05\x65xtra\x18\t \x03(\x0b\x32$.specdec.v1.VerifyOutcome.ExtraEntry\x12\x19\n\x11\x64raft_rows_needed\x18\n \x03(\x05\x12\x13\n\x0btext_pieces\x18\x0b \x03(\t\x12\x12\n\ntext_tails\x18\x0c \x03(\t\x12+\n\x0btext_cursor\x18\r \x01(\x0b\x32\x16.specdec.v1.TextCursor\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"n\n\x13\x43hatTemplateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x1a\n\rchat_template\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x10\n\x0e_chat_template\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xe7\x03\n\x0fVerifierService\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12<\n\x05Score\x12\x18.specdec.v1.ScoreRequest\x1a\x19.specdec.v1.ScoreResponse\x12>\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x19.specdec.v1.VerifyOutcome\x12\x45\n\x08Tokenize\x12\x1b.specdec.v1.TokenizeRequest\x1a\x1c.specdec.v1.TokenizeResponse\x12R\n\x11\x41pplyChatTemplate\x12\x1f.specdec.v1.ChatTemplateRequest\x1a\x1c.specdec.v1.TokenizeResponse\x12?\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x1a.specdec.v1.DecodeResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xb6\x01\n\x0cScoreRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x03\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12\x13\n\x0btree_tokens\x18\x04 \x03(\x05\x12\x14\n\x0ctree_parents\x18\x05 \x03(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x17\n\x0f\x63\x61\x63he_partition\x18\x07 \x01(\t\"\x0f\n\rScoreResponse\"\xe8\x03\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x03\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12\x13\n\x0btree_tokens\x18\x04 \x03(\x05\x12\x14\n\x0ctree_parents\x18\x05 \x03(\x05\x12\x0e\n\x06method\x18\x06 \x01(\t\x12(\n\x06params\x18\x07 \x01(\x0b\x32\x18.specdec.v1.MethodParams\x12,\n\x08sampling\x18\x08 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\'\n\x0b\x64raft_probs\x18\t \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x19\n\x11\x64raft_token_probs\x18\n \x03(\x01\x12\x19\n\x11\x64raft_row_indices\x18\x0b \x03(\x05\x12,\n\x10\x64raft_row_values\x18\x0c \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04text\x18\r \x01(\x0b\x32\x16.specdec.v1.TextCursor\x12\x15\n\rdeterministic\x18\x0e \x01(\x08\x12\x14\n\x0c\x64rafter_idle\x18\x0f \x01(\x08\x12\x17\n\x0f\x63\x61\x63he_partition\x18\x10 \x01(\t\x12\x15\n\rwant_features\x18\x11 \x01(\x08\"9\n\nTextCursor\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0e\n\x06prefix\x18\x02 \x01(\x03\x12\x0c\n\x04read\x18\x03 \x01(\x03\"\x97\x04\n\rVerifyOutcome\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\x12\x14\n\x0c\x61\x63\x63\x65pt_flags\x18\x03 \x03(\x08\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\x05\x12\x15\n\rcommitted_len\x18\x05 \x01(\x03\x12\x17\n\x0f\x66orward_seconds\x18\x06 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x07 \x01(\x01\x12\x15\n\rreused_tokens\x18\x08 \x01(\x03\x12\x15\n\rcached_tokens\x18\x0e \x01(\x03\x12\x17\n\npass_calls\x18\x0f \x01(\x05H\x00\x88\x01\x01\x12\x16\n\tpass_rows\x18\x10 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0epending_tokens\x18\x11 \x01(\x03\x12\x14\n\x0cscore_reused\x18\x12 \x01(\x08\x12\x16\n\x0etext_fallbacks\x18\x13 \x01(\x05\x12+\n\x08\x66\x65\x61tures\x18\x14 \x01(\x0b\x32\x19.specdec.v1.DraftFeatures\x12\x19\n\x11\x64raft_rows_needed\x18\n \x03(\x05\x12\x13\n\x0btext_pieces\x18\x0b \x03(\t\x12\x12\n\ntext_tails\x18\x0c \x03(\t\x12+\n\x0btext_cursor\x18\r \x01(\x0b\x32\x16.specdec.v1.TextCursorB\r\n\x0b_pass_callsB\x0c\n\n_pass_rowsJ\x04\x08\t\x10\nR\x05\x65xtra\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"n\n\x13\x43hatTemplateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x1a\n\rchat_template\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x10\n\x0e_chat_template\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xe7\x03\n\x0fVerifierService\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12<\n\x05Score\x12\x18.specdec.v1.ScoreRequest\x1a\x19.specdec.v1.ScoreResponse\x12>\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x19.specdec.v1.VerifyOutcome\x12\x45\n\x08Tokenize\x12\x1b.specdec.v1.TokenizeRequest\x1a\x1c.specdec.v1.TokenizeResponse\x12R\n\x11\x41pplyChatTemplate\x12\x1f.specdec.v1.ChatTemplateRequest\x1a\x1c.specdec.v1.TokenizeResponse\x12?\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x1a.specdec.v1.DecodeResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYOUTCOME_EXTRAENTRY']._loaded_options = None
-  _globals['_VERIFYOUTCOME_EXTRAENTRY']._serialized_options = b'8\001'
   _globals['_SCOREREQUEST']._serialized_start=67
   _globals['_SCOREREQUEST']._serialized_end=249
   _globals['_SCORERESPONSE']._serialized_start=251
   _globals['_SCORERESPONSE']._serialized_end=266
   _globals['_VERIFYREQUEST']._serialized_start=269
-  _globals['_VERIFYREQUEST']._serialized_end=734
-  _globals['_TEXTCURSOR']._serialized_start=736
-  _globals['_TEXTCURSOR']._serialized_end=793
-  _globals['_VERIFYOUTCOME']._serialized_start=796
-  _globals['_VERIFYOUTCOME']._serialized_end=1224
-  _globals['_VERIFYOUTCOME_EXTRAENTRY']._serialized_start=1180
-  _globals['_VERIFYOUTCOME_EXTRAENTRY']._serialized_end=1224
-  _globals['_TOKENIZEREQUEST']._serialized_start=1226
-  _globals['_TOKENIZEREQUEST']._serialized_end=1257
-  _globals['_CHATTEMPLATEREQUEST']._serialized_start=1259
-  _globals['_CHATTEMPLATEREQUEST']._serialized_end=1369
-  _globals['_TOKENIZERESPONSE']._serialized_start=1371
-  _globals['_TOKENIZERESPONSE']._serialized_end=1408
-  _globals['_DECODEREQUEST']._serialized_start=1410
-  _globals['_DECODEREQUEST']._serialized_end=1444
-  _globals['_DECODERESPONSE']._serialized_start=1446
-  _globals['_DECODERESPONSE']._serialized_end=1476
-  _globals['_VERIFIERSERVICE']._serialized_start=1479
-  _globals['_VERIFIERSERVICE']._serialized_end=1966
+  _globals['_VERIFYREQUEST']._serialized_end=757
+  _globals['_TEXTCURSOR']._serialized_start=759
+  _globals['_TEXTCURSOR']._serialized_end=816
+  _globals['_VERIFYOUTCOME']._serialized_start=819
+  _globals['_VERIFYOUTCOME']._serialized_end=1354
+  _globals['_TOKENIZEREQUEST']._serialized_start=1356
+  _globals['_TOKENIZEREQUEST']._serialized_end=1387
+  _globals['_CHATTEMPLATEREQUEST']._serialized_start=1389
+  _globals['_CHATTEMPLATEREQUEST']._serialized_end=1499
+  _globals['_TOKENIZERESPONSE']._serialized_start=1501
+  _globals['_TOKENIZERESPONSE']._serialized_end=1538
+  _globals['_DECODEREQUEST']._serialized_start=1540
+  _globals['_DECODEREQUEST']._serialized_end=1574
+  _globals['_DECODERESPONSE']._serialized_start=1576
+  _globals['_DECODERESPONSE']._serialized_end=1606
+  _globals['_VERIFIERSERVICE']._serialized_start=1609
+  _globals['_VERIFIERSERVICE']._serialized_end=2096
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class ScoreResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values", "text", "deterministic", "drafter_idle", "cache_partition")
+    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values", "text", "deterministic", "drafter_idle", "cache_partition", "want_features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class VerifyRequest(_message.Message):
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_IDLE_FIELD_NUMBER: _ClassVar[int]
     CACHE_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -65,7 +66,8 @@ class VerifyRequest(_message.Message):
     deterministic: bool
     drafter_idle: bool
     cache_partition: str
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[_Union[TextCursor, _Mapping]] = ..., deterministic: _Optional[bool] = ..., drafter_idle: _Optional[bool] = ..., cache_partition: _Optional[str] = ...) -> None: ...
+    want_features: bool
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[_Union[TextCursor, _Mapping]] = ..., deterministic: _Optional[bool] = ..., drafter_idle: _Optional[bool] = ..., cache_partition: _Optional[str] = ..., want_features: _Optional[bool] = ...) -> None: ...
 
 class TextCursor(_message.Message):
     __slots__ = ("start", "prefix", "read")
@@ -78,14 +80,7 @@ class TextCursor(_message.Message):
     def __init__(self, start: _Optional[int] = ..., prefix: _Optional[int] = ..., read: _Optional[int] = ...) -> None: ...
 
 class VerifyOutcome(_message.Message):
-    __slots__ = ("tokens", "accepted_nodes", "accept_flags", "num_drafted", "committed_len", "forward_seconds", "verify_seconds", "reused_tokens", "cached_tokens", "extra", "draft_rows_needed", "text_pieces", "text_tails", "text_cursor")
-    class ExtraEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: float
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    __slots__ = ("tokens", "accepted_nodes", "accept_flags", "num_drafted", "committed_len", "forward_seconds", "verify_seconds", "reused_tokens", "cached_tokens", "pass_calls", "pass_rows", "pending_tokens", "score_reused", "text_fallbacks", "features", "draft_rows_needed", "text_pieces", "text_tails", "text_cursor")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FLAGS_FIELD_NUMBER: _ClassVar[int]
@@ -95,7 +90,12 @@ class VerifyOutcome(_message.Message):
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    PASS_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PASS_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_REUSED_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROWS_NEEDED_FIELD_NUMBER: _ClassVar[int]
     TEXT_PIECES_FIELD_NUMBER: _ClassVar[int]
     TEXT_TAILS_FIELD_NUMBER: _ClassVar[int]
@@ -109,12 +109,17 @@ class VerifyOutcome(_message.Message):
     verify_seconds: float
     reused_tokens: int
     cached_tokens: int
-    extra: _containers.ScalarMap[str, float]
+    pass_calls: int
+    pass_rows: int
+    pending_tokens: int
+    score_reused: bool
+    text_fallbacks: int
+    features: _common_pb2.DraftFeatures
     draft_rows_needed: _containers.RepeatedScalarFieldContainer[int]
     text_pieces: _containers.RepeatedScalarFieldContainer[str]
     text_tails: _containers.RepeatedScalarFieldContainer[str]
     text_cursor: TextCursor
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accept_flags: _Optional[_Iterable[bool]] = ..., num_drafted: _Optional[int] = ..., committed_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., draft_rows_needed: _Optional[_Iterable[int]] = ..., text_pieces: _Optional[_Iterable[str]] = ..., text_tails: _Optional[_Iterable[str]] = ..., text_cursor: _Optional[_Union[TextCursor, _Mapping]] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accept_flags: _Optional[_Iterable[bool]] = ..., num_drafted: _Optional[int] = ..., committed_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., pass_calls: _Optional[int] = ..., pass_rows: _Optional[int] = ..., pending_tokens: _Optional[int] = ..., score_reused: _Optional[bool] = ..., text_fallbacks: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.DraftFeatures, _Mapping]] = ..., draft_rows_needed: _Optional[_Iterable[int]] = ..., text_pieces: _Optional[_Iterable[str]] = ..., text_tails: _Optional[_Iterable[str]] = ..., text_cursor: _Optional[_Union[TextCursor, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
