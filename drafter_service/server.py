@@ -7,32 +7,17 @@ other sessions. Errors map to status codes as documented in specdec/rpc/grpc_sup
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, Unpack
 
 import grpc
 
-from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
-from specdec.engine.api import (
-    MAX_TREE_NODES,
-    DraftRequest,
-    DraftResult,
-    DraftRowsRequest,
-    LookaheadRequest,
-    LookaheadResult,
-    ModelInfo,
-)
-from specdec.errors import ContextTooLong, InvalidRequest
-from specdec.rpc import convert
-from specdec.rpc.grpc_support import (
-    EngineServicer,
-    engine_workers,
-    guarded,
-    run_observed,
-    serve_until_signal,
-    start_engine_server,
-)
+from specdec.engine import api  # the engine's side of each call (drafter_pb2: the wire's)
+from specdec.errors import InvalidRequest
+from specdec.rpc import convert, engine_service
+from specdec.rpc.engine_service import EngineServerOptions, start_engine_service
+from specdec.rpc.grpc_support import EngineServicer, guarded, run_observed, serve_until_signal
 from specdec.rpc.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -45,41 +30,34 @@ class DrafterBackend(Protocol):
     stand-in engine in a test needs these and no more. Calls run in worker threads; an optional
     `batching.workers` sizes their pool (specdec.rpc.grpc_support.engine_workers)."""
 
-    def info(self) -> ModelInfo: ...
+    def info(self) -> api.ModelInfo: ...
 
     def release(self, session_id: str) -> bool: ...
 
-    def draft(self, request: DraftRequest) -> DraftResult: ...
+    def draft(self, request: api.DraftRequest) -> api.DraftResult: ...
 
-    def lookahead(self, request: LookaheadRequest) -> LookaheadResult: ...
+    def lookahead(self, request: api.LookaheadRequest) -> api.LookaheadResult: ...
 
-    def draft_rows(self, request: DraftRowsRequest): ...
+    def draft_rows(self, request: api.DraftRowsRequest): ...
 
 
-def check_counts(engine: DrafterBackend, append: int, nodes: int = 0) -> None:
-    """Refuse repeated fields no call may be that long, by their counts alone: before they are read
-    into lists (a 64 MB message holds tens of millions of token ids) or the engine sees the call."""
-    context = engine.info().max_context
-    if context > 0 and append > context:
-        raise ContextTooLong(f"append: {append} tokens; the context window holds {context}")
-    if nodes > MAX_TREE_NODES:
-        raise InvalidRequest(f"shape_parents holds {nodes} nodes; at most {MAX_TREE_NODES} are allowed "
-                             "(the drafter's cap)")
+# Refuses an `append` longer than the context window or a `shape_parents` over the drafter's cap.
+check_counts = functools.partial(engine_service.check_counts, role="drafter", tree_field="shape_parents")
 
 
 class DrafterServicer(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     @guarded
     async def Draft(self, request: drafter_pb2.DraftRequest, context) -> drafter_pb2.DraftResult:
-        check_counts(self.engine, len(request.append), len(request.shape_parents))
+        check_counts(self.engine, "append", len(request.append), len(request.shape_parents))
         req = convert.draft_request_from_proto(request)
         result = await run_observed(self.executor, self.observers, "Draft", req, self.engine.draft, req)
         return convert.draft_result_to_proto(result)
 
     @guarded
     async def DraftRows(self, request: drafter_pb2.DraftRowsRequest, context):
-        if len(request.rows) > MAX_TREE_NODES + 1:
+        if len(request.rows) > api.MAX_TREE_NODES + 1:
             raise InvalidRequest(f"rows holds {len(request.rows)} indices; a draft has at most "
-                                 f"{MAX_TREE_NODES + 1} rows")
+                                 f"{api.MAX_TREE_NODES + 1} rows")
         req = convert.draft_rows_request_from_proto(request)
         engine_call = self.engine.draft_rows
         rows = await run_observed(self.executor, self.observers, "DraftRows", req, engine_call, req)
@@ -87,7 +65,7 @@ class DrafterServicer(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
     @guarded
     async def Lookahead(self, request: drafter_pb2.LookaheadRequest, context) -> drafter_pb2.LookaheadResult:
-        check_counts(self.engine, len(request.append))
+        check_counts(self.engine, "append", len(request.append))
         req = convert.lookahead_request_from_proto(request)
         engine_call = self.engine.lookahead
         result = await run_observed(self.executor, self.observers, "Lookahead", req, engine_call, req)
@@ -95,39 +73,22 @@ class DrafterServicer(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
 
 async def start_drafter_server(
-    engine: DrafterBackend,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
-    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-    max_workers: int | None = None,
-    observers: Sequence[Any] = (),
-    credentials: grpc.ServerCredentials | None = None,
-    worker_initializer: Callable[[], object] | None = None,
+    engine: DrafterBackend, host: str = "127.0.0.1", port: int = 0, **options: Unpack[EngineServerOptions]
 ) -> tuple[grpc.aio.Server, int]:
     """Start a DrafterService (+ health, reflection) for `engine`; returns (server, bound port).
 
-    max_workers: threads running engine calls; default: the engine's `batching.workers` (many for
-    a batching engine, whose calls share passes), else 1 (calls one at a time, safe for any engine). Stop with
-    specdec.rpc.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
-    worker_initializer: run first by each engine worker thread (serve passes
-    specdec.runtime.compute_thread.serial_torch: one OpenMP team per process).
-    observers: told about every engine call (tracing spans, metrics); see
-    specdec.rpc.grpc_support.run_observed.
+    The options (worker pool, message size, interceptors, observers, credentials) are the verifier's
+    too: specdec.rpc.engine_service.start_engine_service says what each does.
     """
-    return await start_engine_server(
-        lambda executor: DrafterServicer(engine, executor, observers),
+    return await start_engine_service(
+        engine,
+        "drafter",
+        lambda executor, observers: DrafterServicer(engine, executor, observers),
         drafter_pb2_grpc.add_DrafterServiceServicer_to_server,
         SERVICE_NAME,
         host,
         port,
-        max_message_mb=max_message_mb,
-        interceptors=interceptors,
-        max_workers=max_workers if max_workers is not None else engine_workers(engine),
-        thread_name_prefix="drafter-engine",
-        credentials=credentials,
-        initializer=worker_initializer,
+        **options,
     )
 
 

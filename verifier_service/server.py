@@ -14,26 +14,18 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Protocol, Unpack
 
 import grpc
 
-from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
-from specdec.engine.api import MAX_TREE_NODES, ModelInfo, ScoreRequest, VerifyOutcome, VerifyRequest
-from specdec.errors import ContextTooLong, InvalidRequest, Overloaded
+from specdec.engine.api import ModelInfo, ScoreRequest, VerifyOutcome, VerifyRequest
+from specdec.errors import Overloaded
 from specdec.generation import ChatMessage
-from specdec.rpc import convert, generation_convert
-from specdec.rpc.grpc_support import (
-    EngineServicer,
-    add_on_stop,
-    engine_workers,
-    guarded,
-    run_blocking,
-    run_observed,
-    start_engine_server,
-)
+from specdec.rpc import convert, engine_service, generation_convert
+from specdec.rpc.engine_service import EngineServerOptions, start_engine_service
+from specdec.rpc.grpc_support import EngineServicer, add_on_stop, guarded, run_blocking, run_observed
 from specdec.rpc.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -70,15 +62,8 @@ class VerifierBackend(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
 
-def check_counts(engine: VerifierBackend, name: str, tokens: int, nodes: int = 0) -> None:
-    """Refuse repeated fields no call may be that long, by their counts alone: before they are read
-    into lists (a 64 MB message holds tens of millions of token ids) or the engine sees the call."""
-    context = engine.info().max_context
-    if context > 0 and tokens > context:
-        raise ContextTooLong(f"{name}: {tokens} tokens; the context window holds {context}")
-    if nodes > MAX_TREE_NODES:
-        raise InvalidRequest(f"tree_tokens holds {nodes} nodes; at most {MAX_TREE_NODES} are allowed "
-                             "(the verifier's cap)")
+# Refuses token ids beyond the context window or a `tree_tokens` over the verifier's cap.
+check_counts = functools.partial(engine_service.check_counts, role="verifier", tree_field="tree_tokens")
 
 
 class VerifierServicer(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer):
@@ -139,45 +124,30 @@ class VerifierServicer(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer
 
 
 async def start_verifier_server(
-    engine: VerifierBackend,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
-    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-    max_workers: int | None = None,
-    observers: Sequence[Any] = (),
-    credentials: grpc.ServerCredentials | None = None,
-    worker_initializer: Callable[[], object] | None = None,
+    engine: VerifierBackend, host: str = "127.0.0.1", port: int = 0, **options: Unpack[EngineServerOptions]
 ) -> tuple[grpc.aio.Server, int]:
     """Start a VerifierService (+ health, reflection) for `engine`; returns (server, bound port).
 
-    max_workers: threads running engine calls; default: the engine's `batching.workers` (many for
-    a batching engine, whose calls share passes), else 1 (calls one at a time, safe for any engine). Stop with
-    specdec.rpc.grpc_support.stop_server(server) (health goes NOT_SERVING first) or server.stop().
-    worker_initializer: run first by each engine worker thread (serve passes
-    specdec.runtime.compute_thread.serial_torch: one OpenMP team per process).
-    observers: told about every engine call (tracing spans, metrics); see
-    specdec.rpc.grpc_support.run_observed. Tokenize and Decode run in a pool of their own
-    (TEXT_WORKERS threads), ApplyChatTemplate calls with their own template in another
-    (TEMPLATE_WORKERS threads).
+    The options (worker pool, message size, interceptors, observers, credentials) are the drafter's
+    too: specdec.rpc.engine_service.start_engine_service says what each does. Tokenize and Decode
+    run in a pool of their own (TEXT_WORKERS threads), ApplyChatTemplate calls with their own
+    template in another (TEMPLATE_WORKERS threads).
     """
     text_executor = ThreadPoolExecutor(max_workers=TEXT_WORKERS, thread_name_prefix="verifier-text")
     template_executor = ThreadPoolExecutor(max_workers=TEMPLATE_WORKERS,
                                            thread_name_prefix="verifier-template")
     try:
-        server, bound = await start_engine_server(
-            lambda executor: VerifierServicer(engine, executor, observers, text_executor, template_executor),
+        server, bound = await start_engine_service(
+            engine,
+            "verifier",
+            lambda executor, observers: VerifierServicer(
+                engine, executor, observers, text_executor, template_executor
+            ),
             verifier_pb2_grpc.add_VerifierServiceServicer_to_server,
             SERVICE_NAME,
             host,
             port,
-            max_message_mb=max_message_mb,
-            interceptors=interceptors,
-            max_workers=max_workers if max_workers is not None else engine_workers(engine),
-            thread_name_prefix="verifier-engine",
-            credentials=credentials,
-            initializer=worker_initializer,
+            **options,
         )
     except BaseException:
         text_executor.shutdown(wait=False)
@@ -186,4 +156,3 @@ async def start_verifier_server(
     add_on_stop(server, functools.partial(text_executor.shutdown, wait=False))
     add_on_stop(server, functools.partial(template_executor.shutdown, wait=False))
     return server, bound
-
