@@ -16,6 +16,9 @@ accepted drafts, reuses those entries by longest common prefix.
 block under verification, picks the guessed continuations, forwards them together, and drafts
 a sequence after each, every branch with the random stream a fresh `draft` from that context
 would use (seed, "draft", context length).
+
+What a strategy changes (where draws come from: a seeded stream or ERSD's races) is one entry of
+`STRATEGIES`, read once per call; the drafting code itself never branches on the strategy's name.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -142,109 +147,33 @@ class DrafterEngine:
     def _draft(
         self, session: DrafterSession, committed: list[int], shape: list[int], request: DraftRequest
     ) -> DraftResult:
-        kv = session.kv
-        params = request.sampling
-        position = len(committed)
-        vocab = self.loaded.info.vocab_size
-        forward_seconds = 0.0
-
-        start = time.perf_counter()
-        reused, pending, restored = prepare(kv, committed)  # may prefill a long run of new tokens
-        root_logits = kv.extend_chain(pending)[-1]
-        forward_seconds += time.perf_counter() - start
-
-        want: dict[int, int] = {}
-        for parent in shape:
-            want[parent] = want.get(parent, 0) + 1
-        tokens: list[int] = []
-        parents: list[int] = []
-        shape_of: list[int] = []  # new node → its shape index
-        slot: dict[int, int] = {-1: len(pending) - 1}  # new node → block entry in the cache
-        rows: dict[int, torch.Tensor] = {-1: _warp(root_logits, params)}
-        depth_of: dict[int, int] = {-1: 0}
-        old_to_new: dict[int, int] = {-1: -1}
-        expanded: dict[int, list[int]] = {}
-        source = (
-            TorchRandomSource.from_seed(request.seed, "draft", position)
-            if request.strategy == "sample"
-            else None
-        )
-
-        def forward(nodes: list[int]) -> None:
-            nonlocal forward_seconds
-            first = kv.block_len
-            began = time.perf_counter()
-            logits = kv.extend([tokens[n] for n in nodes], [slot[parents[n]] for n in nodes])
-            forward_seconds += time.perf_counter() - began
-            warped = _warp(logits, params)
-            for j, node in enumerate(nodes):
-                slot[node] = first + j
-                rows[node] = warped[j]
-
-        def row_of(node: int) -> torch.Tensor:
-            if node not in rows:
-                # Everything known that will need a row goes into this pass (its parents are cached).
-                forward([n for n in range(len(tokens)) if n not in slot and want.get(shape_of[n], 0) > 0])
-            return rows[node]
-
-        # Same loop as specdec.drafting.draft_tree, with rows coming from the cache.
-        for shape_index, shape_parent in enumerate(shape):
-            new_parent = old_to_new.get(shape_parent)
-            if new_parent is None:  # the parent was dropped (support ran out): drop the subtree
-                continue
-            if shape_parent not in expanded:
-                row = row_of(new_parent)
-                e = (
-                    race(request.seed, position + depth_of[new_parent], vocab)
-                    if request.strategy == "race"
-                    else None
-                )
-                expanded[shape_parent] = select_children(row, want[shape_parent], request.strategy, source, e)
-            choices = expanded[shape_parent]
-            if not choices:
-                continue
-            node = len(tokens)
-            old_to_new[shape_index] = node
-            depth_of[node] = depth_of[new_parent] + 1
-            tokens.append(choices.pop(0))
-            parents.append(new_parent)
-            shape_of.append(shape_index)
-
+        """Fill the tree (rows a level per pass), keep its first path in the cache, answer."""
+        cache = _TimedCache(session.kv)
+        reused, pending, restored = cache.prepare(committed)  # may prefill a long run of new tokens
+        root_logits = cache.extend_chain(pending)[-1]
+        tree = _TreeFill(cache, request.sampling, shape, root_slot=len(pending) - 1, root_logits=root_logits)
+        tree.fill(STRATEGIES[request.strategy], request.seed, len(committed), self.loaded.info.vocab_size)
         if request.include_leaf_rows:
-            leaves = [n for n in range(len(tokens)) if n not in slot]
-            if leaves:
-                forward(leaves)
-
-        draft_probs = _rows_on_cpu({node + 1: row for node, row in rows.items()}, len(tokens) + 1, vocab) \
-            if request.want_distributions else None
-
+            tree.forward_leaves()
+        draft_probs = tree.rows_on_cpu(self.loaded.info.vocab_size) if request.want_distributions else None
         # Keep the committed tokens and the first root-to-leaf path that is in the cache.
-        first_child: dict[int, int] = {}
-        for node, parent in enumerate(parents):
-            first_child.setdefault(parent, node)
-        path, node = [], -1
-        while node in first_child and first_child[node] in slot:
-            node = first_child[node]
-            path.append(slot[node])
-        kv.settle(list(range(len(pending))) + path)
+        cache.kv.settle(list(range(len(pending))) + tree.first_path())
+        result = DraftResult(tokens=tree.tokens, parents=tree.parents, draft_probs=draft_probs,
+                             forward_seconds=cache.seconds, reused_tokens=reused, cached_tokens=restored)
+        if request.lean_rows and draft_probs is not None:
+            self._park(session, request.session_id, result)
+        return result
 
-        if request.lean_rows and draft_probs is not None:  # the rows stay here (DraftRows)
-            rows_id = next(self._rows_ids)
-            session.parked = (rows_id, draft_probs)
-            self._parked[request.session_id] = session
-            probs = token_probs(DraftTree(tuple(tokens), tuple(parents)), draft_probs)
-            return DraftResult(tokens=tokens, parents=parents, forward_seconds=forward_seconds,
-                               reused_tokens=reused, token_probs=probs, rows_id=rows_id,
-                               cached_tokens=restored)
-        return DraftResult(
-            tokens=tokens,
-            parents=parents,
-            draft_probs=draft_probs,
-            forward_seconds=forward_seconds,
-            reused_tokens=reused,
-            cached_tokens=restored,
-        )
-
+    def _park(self, session: DrafterSession, session_id: str, result: DraftResult) -> None:
+        """Lean rows: the rows stay here (DraftRows reads them) and the result carries each node's q
+        of its token and the rows' id instead."""
+        assert result.draft_probs is not None
+        rows_id = next(self._rows_ids)
+        session.parked = (rows_id, result.draft_probs)
+        self._parked[session_id] = session
+        tree = DraftTree(tuple(result.tokens), tuple(result.parents))
+        result.token_probs = token_probs(tree, result.draft_probs)
+        result.rows_id, result.draft_probs = rows_id, None
 
     def draft_rows(self, request: DraftRowsRequest) -> torch.Tensor:
         """Rows [len(rows), V] of a session's last lean draft (SessionGone once they are gone)."""
@@ -281,93 +210,264 @@ class DrafterEngine:
     def _lookahead(
         self, session: DrafterSession, context: list[int], request: LookaheadRequest
     ) -> LookaheadResult:
-        kv = session.kv
-        params, strategy, seed = request.sampling, request.strategy, request.seed
+        """Rows at the end of C, the guessed hypotheses, a sequence drafted after each; the cache
+        keeps C and the likeliest bonus branch."""
+        cache = _TimedCache(session.kv)
         vocab = self.loaded.info.vocab_size
-        forward_seconds = 0.0
-
-        def forward(tokens: list[int], parents: list[int], rows_from: int = 0) -> torch.Tensor:
-            nonlocal forward_seconds
-            began = time.perf_counter()
-            logits = kv.extend(tokens, parents, rows_from)
-            forward_seconds += time.perf_counter() - began
-            return logits
-
+        races = _Races(STRATEGIES[request.strategy], request.seed, vocab)
         # Rows after C (bonus guesses) and, when asked, after C[:-1] (rejection guesses): one pass.
         with_previous = request.rejection_guesses > 0
-        began = time.perf_counter()
-        reused, pending, restored = prepare(kv, context[:-1] if with_previous else context)
-        forward_seconds += time.perf_counter() - began
+        reused, pending, restored = cache.prepare(context[:-1] if with_previous else context)
         if with_previous:
             pending = pending + [context[-1]]
         n_pending = len(pending)
-        logits = forward(pending, sequence_parents(n_pending), n_pending - (2 if with_previous else 1))
-        last = n_pending - 1
+        logits = cache.extend(pending, sequence_parents(n_pending), n_pending - (2 if with_previous else 1))
+        hypotheses = _hypotheses(logits, context, request, races, last=n_pending - 1)
+        branches = _draft_branches(cache, hypotheses, request, races)
 
-        races: dict[int, torch.Tensor] = {}  # by position: bonus branches share theirs
-
-        def race_at(position: int) -> torch.Tensor | None:
-            if strategy != "race":
-                return None
-            if position not in races:
-                races[position] = race(seed, position, vocab)
-            return races[position]
-
-        def guesses(row_logits: torch.Tensor, m: int, position: int, exclude: int | None) -> list[int]:
-            # "sample" ranks by logits: the softmax over the vocabulary is only needed for races.
-            warped = _warp(row_logits, params) if strategy == "race" else row_logits
-            return guess_tokens(row_logits, warped, m, strategy, race_at(position), exclude)
-
-        # (replaces_last, token, parent block entry, length of the hypothesis context)
-        hypotheses = [(False, t, last, len(context) + 1)
-                      for t in guesses(logits[-1], request.bonus_guesses, len(context), None)]
-        if with_previous:
-            replacements = guesses(logits[0], request.rejection_guesses, len(context) - 1, context[-1])
-            hypotheses += [(True, t, last - 1, len(context)) for t in replacements]
-
-        drafts: list[list[int]] = [[] for _ in hypotheses]
-        rows: list[list[torch.Tensor]] = [[] for _ in hypotheses]
-        slots: list[list[int]] = [[] for _ in hypotheses]  # block entries of each branch, guess first
-        sources = [TorchRandomSource.from_seed(seed, "draft", length) if strategy == "sample" else None
-                   for *_, length in hypotheses]
-        active = list(range(len(hypotheses))) if request.k > 0 else []
-        step_tokens = [token for _, token, _, _ in hypotheses]
-        step_parents = [parent for _, _, parent, _ in hypotheses]
-        depth = 0
-        while active:
-            first = kv.block_len
-            step_logits = forward(step_tokens, step_parents)
-            still: list[int] = []
-            for j, branch in enumerate(active):
-                slots[branch].append(first + j)
-                row = _warp(step_logits[j], params)
-                e = race_at(hypotheses[branch][3] + depth)
-                choice = select_children(row, 1, strategy, sources[branch], e)
-                if not choice:  # the draft's support ran out: the branch stops short
-                    continue
-                drafts[branch].append(choice[0])
-                rows[branch].append(row)
-                if len(drafts[branch]) < request.k:
-                    still.append(branch)
-            depth += 1
-            active = still
-            step_tokens = [drafts[b][-1] for b in active]
-            step_parents = [slots[b][-1] for b in active]
-
-        # Keep C and the first branch's forwarded entries (the likeliest hypothesis).
         keep = list(range(n_pending))
-        if hypotheses and not hypotheses[0][0]:
-            keep += slots[0]
-        kv.settle(keep)
+        if hypotheses and not hypotheses[0].replaces_last:
+            keep += branches[0].slots
+        cache.kv.settle(keep)
+        return LookaheadResult(
+            branches=[branch.result(hypothesis, vocab, request.want_distributions)
+                      for hypothesis, branch in zip(hypotheses, branches, strict=True)],
+            forward_seconds=cache.seconds, reused_tokens=reused, cached_tokens=restored)
 
-        branches = []
-        for (replaces_last, token, _, _), tokens, branch_rows in zip(hypotheses, drafts, rows, strict=True):
-            probs = _rows_on_cpu(dict(enumerate(branch_rows)), len(tokens) + 1, vocab) \
-                if request.want_distributions else None
-            draft = DraftResult(tokens=tokens, parents=sequence_parents(len(tokens)), draft_probs=probs)
-            branches.append(LookaheadBranch(replaces_last=replaces_last, token=token, draft=draft))
-        return LookaheadResult(branches=branches, forward_seconds=forward_seconds, reused_tokens=reused,
-                               cached_tokens=restored)
+
+# ---------------------------------------------------------------------------------- strategies
+
+
+@dataclass(frozen=True)
+class DraftStrategy:
+    """What a drafting strategy changes in this engine: where its draws come from (the choice itself
+    is specdec.drafting's, by `name`). "sample" draws from a seeded stream keyed on the context
+    length, as the reference does; "race" (ERSD) reads each position's fixed race (specdec.races)
+    and ranks look-ahead guesses by arrival under the warped row."""
+
+    name: str
+    source: Callable[[int, int], TorchRandomSource | None]  # (seed, context length) → stream, if any
+    race: Callable[[int, int, int], torch.Tensor | None]  # (seed, position, vocab) → race, if any
+    guesses_on_warped_rows: bool  # look-ahead guesses read the warped row (else the logits alone)
+
+
+def _seeded_stream(seed: int, length: int) -> TorchRandomSource:
+    return TorchRandomSource.from_seed(seed, "draft", length)
+
+
+STRATEGIES: dict[str, DraftStrategy] = {
+    "sample": DraftStrategy("sample", source=_seeded_stream, race=lambda seed, position, vocab: None,
+                            guesses_on_warped_rows=False),
+    "race": DraftStrategy("race", source=lambda seed, length: None, race=race, guesses_on_warped_rows=True),
+}
+assert tuple(STRATEGIES) == DRAFT_STRATEGIES, "the engine's table and the declared names must agree"
+
+
+class _Races:
+    """A strategy's races by position, each drawn once per call (bonus branches share theirs)."""
+
+    def __init__(self, strategy: DraftStrategy, seed: int, vocab: int) -> None:
+        self.strategy, self.seed, self.vocab = strategy, seed, vocab
+        self._by_position: dict[int, torch.Tensor | None] = {}
+
+    def at(self, position: int) -> torch.Tensor | None:
+        if position not in self._by_position:
+            self._by_position[position] = self.strategy.race(self.seed, position, self.vocab)
+        return self._by_position[position]
+
+
+# ---------------------------------------------------------------------------------- passes
+
+
+class _TimedCache:
+    """A session's cache for one call, adding up the time of the forward passes run on it."""
+
+    def __init__(self, kv: TreeKVCache) -> None:
+        self.kv = kv
+        self.seconds = 0.0
+
+    def prepare(self, committed: list[int]) -> tuple[int, list[int], int]:
+        began = time.perf_counter()
+        try:
+            return prepare(self.kv, committed)
+        finally:
+            self.seconds += time.perf_counter() - began
+
+    def extend(self, tokens: list[int], parents: list[int], rows_from: int = 0) -> torch.Tensor:
+        began = time.perf_counter()
+        try:
+            return self.kv.extend(tokens, parents, rows_from)
+        finally:
+            self.seconds += time.perf_counter() - began
+
+    def extend_chain(self, tokens: list[int]) -> torch.Tensor:
+        began = time.perf_counter()
+        try:
+            return self.kv.extend_chain(tokens)
+        finally:
+            self.seconds += time.perf_counter() - began
+
+
+# ---------------------------------------------------------------------------------- draft trees
+
+
+class _TreeFill:
+    """One draft tree as it is filled, in exactly specdec.drafting.draft_tree's node order, with rows
+    from the cache. Rows are computed lazily: when a node's row is needed, every node whose token is
+    known and whose row will be needed goes into the same pass (one pass per tree level)."""
+
+    def __init__(self, cache: _TimedCache, params: SamplingParams, shape: list[int], root_slot: int,
+                 root_logits: torch.Tensor) -> None:
+        self.cache, self.params, self.shape = cache, params, shape
+        self.want: dict[int, int] = {}  # shape node → children it asks for
+        for parent in shape:
+            self.want[parent] = self.want.get(parent, 0) + 1
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.shape_of: list[int] = []  # new node → its shape index
+        self.slot: dict[int, int] = {-1: root_slot}  # new node → block entry in the cache
+        self.rows: dict[int, torch.Tensor] = {-1: _warp(root_logits, params)}
+
+    def fill(self, strategy: DraftStrategy, seed: int, position: int, vocab: int) -> None:
+        """The reference's loop: each shape node's children chosen once, from its parent's row; a
+        node whose parent was dropped (the support ran out) is dropped with its subtree."""
+        source = strategy.source(seed, position)
+        depth_of: dict[int, int] = {-1: 0}
+        old_to_new: dict[int, int] = {-1: -1}
+        expanded: dict[int, list[int]] = {}
+        for shape_index, shape_parent in enumerate(self.shape):
+            new_parent = old_to_new.get(shape_parent)
+            if new_parent is None:
+                continue
+            if shape_parent not in expanded:
+                e = strategy.race(seed, position + depth_of[new_parent], vocab)
+                expanded[shape_parent] = select_children(self.row_of(new_parent), self.want[shape_parent],
+                                                         strategy.name, source, e)
+            choices = expanded[shape_parent]
+            if not choices:
+                continue
+            node = len(self.tokens)
+            old_to_new[shape_index] = node
+            depth_of[node] = depth_of[new_parent] + 1
+            self.tokens.append(choices.pop(0))
+            self.parents.append(new_parent)
+            self.shape_of.append(shape_index)
+
+    def row_of(self, node: int) -> torch.Tensor:
+        if node not in self.rows:
+            # Everything known that will need a row goes into this pass (its parents are cached).
+            self.forward([n for n in range(len(self.tokens))
+                          if n not in self.slot and self.want.get(self.shape_of[n], 0) > 0])
+        return self.rows[node]
+
+    def forward(self, nodes: list[int]) -> None:
+        first = self.cache.kv.block_len
+        parents = [self.slot[self.parents[n]] for n in nodes]
+        logits = self.cache.extend([self.tokens[n] for n in nodes], parents)
+        warped = _warp(logits, self.params)
+        for j, node in enumerate(nodes):
+            self.slot[node] = first + j
+            self.rows[node] = warped[j]
+
+    def forward_leaves(self) -> None:
+        """The rows after the nodes not forwarded yet (RD's rows after the leaves)."""
+        leaves = [n for n in range(len(self.tokens)) if n not in self.slot]
+        if leaves:
+            self.forward(leaves)
+
+    def rows_on_cpu(self, vocab: int) -> torch.Tensor:
+        """[n + 1, V] in the specdec.verification layout (row 0 the root's), zero where not computed."""
+        return _rows_on_cpu({node + 1: row for node, row in self.rows.items()}, len(self.tokens) + 1, vocab)
+
+    def first_path(self) -> list[int]:
+        """Cache entries of the first root-to-leaf path, as far as it was forwarded."""
+        first_child: dict[int, int] = {}
+        for node, parent in enumerate(self.parents):
+            first_child.setdefault(parent, node)
+        path, node = [], -1
+        while node in first_child and first_child[node] in self.slot:
+            node = first_child[node]
+            path.append(self.slot[node])
+        return path
+
+
+# ---------------------------------------------------------------------------------- look-ahead
+
+
+class _Hypothesis(NamedTuple):
+    replaces_last: bool  # C[:-1] + [token] (True) or C + [token]
+    token: int
+    parent: int  # block entry the guess follows
+    length: int  # length of the hypothesis context
+
+
+@dataclass
+class _Branch:
+    """A sequence drafted after one hypothesis: its tokens, their rows, its block entries (guess first)."""
+
+    tokens: list[int] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+    def result(self, hypothesis: _Hypothesis, vocab: int, want_distributions: bool) -> LookaheadBranch:
+        probs = _rows_on_cpu(dict(enumerate(self.rows)), len(self.tokens) + 1, vocab) \
+            if want_distributions else None
+        draft = DraftResult(tokens=self.tokens, parents=sequence_parents(len(self.tokens)), draft_probs=probs)
+        return LookaheadBranch(replaces_last=hypothesis.replaces_last, token=hypothesis.token, draft=draft)
+
+
+def _hypotheses(
+    logits: torch.Tensor, context: list[int], request: LookaheadRequest, races: _Races, last: int
+) -> list[_Hypothesis]:
+    """Bonus guesses after C (logits[-1]), then, when asked, replacements of C[-1] (logits[0])."""
+    strategy, params = races.strategy, request.sampling
+
+    def guesses(row_logits: torch.Tensor, m: int, position: int, exclude: int | None) -> list[int]:
+        # "sample" ranks by logits: the softmax over the vocabulary is only needed for races.
+        warped = _warp(row_logits, params) if strategy.guesses_on_warped_rows else row_logits
+        return guess_tokens(row_logits, warped, m, strategy.name, races.at(position), exclude)
+
+    hypotheses = [_Hypothesis(False, t, last, len(context) + 1)
+                  for t in guesses(logits[-1], request.bonus_guesses, len(context), None)]
+    if request.rejection_guesses > 0:
+        replacements = guesses(logits[0], request.rejection_guesses, len(context) - 1, context[-1])
+        hypotheses += [_Hypothesis(True, t, last - 1, len(context)) for t in replacements]
+    return hypotheses
+
+
+def _draft_branches(
+    cache: _TimedCache, hypotheses: list[_Hypothesis], request: LookaheadRequest, races: _Races
+) -> list[_Branch]:
+    """Draft up to k tokens after every hypothesis, all branches' next tokens in one pass a step, each
+    branch with the stream a fresh draft from its context would use."""
+    strategy, params = races.strategy, request.sampling
+    branches = [_Branch() for _ in hypotheses]
+    sources = [strategy.source(request.seed, h.length) for h in hypotheses]
+    active = list(range(len(hypotheses))) if request.k > 0 else []
+    step_tokens = [h.token for h in hypotheses]
+    step_parents = [h.parent for h in hypotheses]
+    depth = 0
+    while active:
+        first = cache.kv.block_len
+        step_logits = cache.extend(step_tokens, step_parents)
+        still: list[int] = []
+        for j, index in enumerate(active):
+            branch = branches[index]
+            branch.slots.append(first + j)
+            row = _warp(step_logits[j], params)
+            e = races.at(hypotheses[index].length + depth)
+            choice = select_children(row, 1, strategy.name, sources[index], e)
+            if not choice:  # the draft's support ran out: the branch stops short
+                continue
+            branch.tokens.append(choice[0])
+            branch.rows.append(row)
+            if len(branch.tokens) < request.k:
+                still.append(index)
+        depth += 1
+        active = still
+        step_tokens = [branches[b].tokens[-1] for b in active]
+        step_parents = [branches[b].slots[-1] for b in active]
+    return branches
 
 
 def _rows_on_cpu(rows: dict[int, torch.Tensor], count: int, vocab: int) -> torch.Tensor:
@@ -388,7 +488,7 @@ def _warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def _check_drafting(request: DraftRequest | LookaheadRequest) -> None:
     """The fields every drafting request has: strategy, sampling parameters, seed."""
-    if request.strategy not in DRAFT_STRATEGIES:
+    if request.strategy not in STRATEGIES:
         raise InvalidRequest(f"strategy must be one of {DRAFT_STRATEGIES}, got {request.strategy!r}")
     if not isinstance(request.sampling, SamplingParams):
         raise InvalidRequest("sampling must be a SamplingParams")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specdec.drafting import draft_tree
-from specdec.engine.api import DraftRequest
+from specdec.engine.api import DRAFT_STRATEGIES, DraftFeatures, DraftRequest
+from specdec.engine.drafter import STRATEGIES
 from specdec.errors import ContextTooLong, InvalidRequest, SessionGone
 from specdec.randomness import TorchRandomSource
 from specdec.sampling import SamplingParams, warp_logits
@@ -185,6 +186,18 @@ def test_invalid_requests(drafter):
     with pytest.raises(ContextTooLong):
         drafter.draft(request("s", 0, [1] * 126, [-1, 0, 1]))  # 126 + depth 3 > 128
     drafter.draft(request("s", 0, [1] * 125, [-1, 0, 1]))
+
+
+def test_strategies_are_one_table_of_the_declared_names(drafter):
+    """The engine dispatches on STRATEGIES, whose names are the declared ones (and the wire's);
+    draft-head features in a request are carried, not read: the draft is the same without them."""
+    assert tuple(STRATEGIES) == DRAFT_STRATEGIES
+    assert all(entry.name == name for name, entry in STRATEGIES.items())
+    features = DraftFeatures((3, 4), torch.ones((2, 5)))
+    plain = drafter.draft(request("f1", 0, PROMPT, [-1, 0, -1], want_distributions=True))
+    fed = drafter.draft(request("f2", 0, PROMPT, [-1, 0, -1], want_distributions=True, features=features))
+    assert (fed.tokens, fed.parents) == (plain.tokens, plain.parents)
+    assert torch.equal(fed.draft_probs, plain.draft_probs)
 
 
 def test_info(drafter, draft_model):

@@ -176,6 +176,18 @@ def test_score_then_verify_reuses_the_forward_pass(verifier):
     assert not out.score_reused and out.committed_len == n + len(out.tokens)
 
 
+def test_draft_features_are_declared_but_not_filled(verifier):
+    """want_features is accepted and changes nothing else; the engine answers no features yet (its
+    scoring pass returns logits only), and without the flag never any."""
+    prompt, tokens, parents = [1, 2, 3], [4, 5], [-1, 0]
+    q = torch.full((3, 8), 1 / 8)
+    plain = verifier.verify(verify_request("nf", 0, prompt, tokens, parents, draft_probs=q))
+    asked = verifier.verify(verify_request("wf", 0, prompt, tokens, parents, draft_probs=q,
+                                           want_features=True))
+    assert plain.features is None and asked.features is None
+    assert (asked.tokens, asked.accepted_nodes) == (plain.tokens, plain.accepted_nodes)
+
+
 def test_score_opening_a_session_counts_as_committed(verifier):
     """RD's first no-draft step opens the session with Score; the Verify that follows names
     the scored context as already held (base_len = its length, nothing appended)."""
