@@ -85,6 +85,22 @@ def test_contracts_catch_the_light_client_importing_numpy(tmp_path: Path) -> Non
     assert broken in result.stdout, result.stdout[-2000:]
 
 
+@pytest.mark.parametrize("module", ["specdec/engine.py", "drafter_service/__init__.py",
+                                    "verifier_service/__init__.py"])
+def test_contracts_catch_an_engine_importing_the_orchestrator(tmp_path: Path, module: str) -> None:
+    """A negative control for the engines' contract: an engine, or either engine service, that
+    imports the orchestrator breaks it by name (whatever else it breaks besides)."""
+    _fake_tree(tmp_path, "")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    target = tmp_path / module
+    target.write_text(target.read_text() + "import orchestrator\n")
+    result = _lint_imports(tmp_path, tmp_path)
+    assert result.returncode != 0, result.stdout[-2000:]
+    broken = "The engines and their services import no orchestrator BROKEN"
+    assert broken in result.stdout, result.stdout[-2000:]
+
+
 def test_core_imports_no_io_frameworks() -> None:
     """Importing the core must not pull in grpc, redis or OpenTelemetry."""
     code = (
