@@ -484,7 +484,7 @@ class SourceEstimates:
               target-only step) whose verifier pass carried r query rows: a line through the measured
               sizes. Alone in its pass, r is the request's own positions; in a batched pass (many
               requests of a server), r counts every call's rows, padded to the widest
-              (VerifyOutcome.extra pass_rows; specdec.runtime.batching);
+              (VerifyOutcome.pass_rows; specdec.runtime.batching);
       B       calls per verifier pass (pass_calls; 1 alone).
 
     A draft of n positions is charged W(B·n): the time of a pass in which every one of the B calls

@@ -10,17 +10,27 @@ import logging
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 from specdec.errors import Overloaded
 from specdec.generation import GenerationChunk
+from specdec.rpc.security import ANONYMOUS
 
 log = logging.getLogger(__name__)
 
-# The key the per-caller cap counts a request under, set by a front door for the call it serves (the
-# owner when the caller has a token or certificate, else "peer:<address>"); unset, the owner is the key.
-CALLER_KEY: ContextVar[str | None] = ContextVar("specdec_caller_key", default=None)
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a door serves: `owner`, the identity the request's record is bound to, and `key`, what the
+    per-caller cap counts the call under (the owner, or "peer:<address>" for an anonymous caller, so
+    anonymous callers are capped per address). Passed to the orchestrator with every call."""
+
+    owner: str
+    key: str
+
+    @classmethod
+    def of(cls, owner: str, address: str) -> Caller:
+        return cls(owner, owner if owner != ANONYMOUS else f"peer:{address}")
 
 
 class RequestSlots:

@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeGuard
 
 import grpc
 
-from orchestrator.admission import CALLER_KEY
+from orchestrator.admission import Caller
 from orchestrator.health import HealthMonitor, Monitored, ServingGate
 from specdec.defaults import DEFAULT_MAX_MESSAGE_MB
 from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult
@@ -37,7 +37,7 @@ from specdec.rpc.grpc_support import (
     serve_until_signal,
     start_server,
 )
-from specdec.rpc.security import ANONYMOUS, caller_identity
+from specdec.rpc.security import caller_identity
 from specdec.rpc.tenants import Tenants, common_name
 from specdec.rpc.v1 import generation_pb2, generation_pb2_grpc
 
@@ -50,14 +50,15 @@ class GenerationBackend(Protocol):
     """What the GenerationService calls on the orchestrator: the door depends on these four calls
     only (a test's stand-in needs no more). Streams are closed when the call ends."""
 
-    async def generate(self, request: GenerationRequest, *, owner: str) -> GenerationResult: ...
+    async def generate(self, request: GenerationRequest, *, owner: str, caller: str) -> GenerationResult: ...
 
-    def generate_stream(self, request: GenerationRequest, *,
-                        owner: str) -> AsyncIterator[GenerationChunk]: ...
+    def generate_stream(self, request: GenerationRequest, *, owner: str,
+                        caller: str) -> AsyncIterator[GenerationChunk]: ...
 
-    async def resume(self, request_id: str, *, owner: str) -> GenerationResult: ...
+    async def resume(self, request_id: str, *, owner: str, caller: str) -> GenerationResult: ...
 
-    def resume_stream(self, request_id: str, *, owner: str) -> AsyncIterator[GenerationChunk]: ...
+    def resume_stream(self, request_id: str, *, owner: str,
+                      caller: str) -> AsyncIterator[GenerationChunk]: ...
 
 
 class HealthSettings(Protocol):
@@ -90,7 +91,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerationRequest, context
     ) -> generation_pb2.GenerationResult:
         result = await self.orchestrator.generate(
-            generation_convert.generation_request_from_proto(request), owner=_caller(context, self.tenants)
+            generation_convert.generation_request_from_proto(request), **_caller(context, self.tenants)
         )
         return generation_convert.generation_result_to_proto(result)
 
@@ -99,7 +100,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerationRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
         stream = self.orchestrator.generate_stream(
-            generation_convert.generation_request_from_proto(request), owner=_caller(context, self.tenants)
+            generation_convert.generation_request_from_proto(request), **_caller(context, self.tenants)
         )
         async with contextlib.aclosing(_chunks(stream)) as chunks:
             async for chunk in chunks:
@@ -110,7 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.ResumeRequest, context
     ) -> generation_pb2.GenerationResult:
         result = await self.orchestrator.resume(
-            generation_convert.resume_request_from_proto(request), owner=_caller(context, self.tenants)
+            generation_convert.resume_request_from_proto(request), **_caller(context, self.tenants)
         )
         return generation_convert.generation_result_to_proto(result)
 
@@ -119,22 +120,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.ResumeRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
         stream = self.orchestrator.resume_stream(
-            generation_convert.resume_request_from_proto(request), owner=_caller(context, self.tenants)
+            generation_convert.resume_request_from_proto(request), **_caller(context, self.tenants)
         )
         async with contextlib.aclosing(_chunks(stream)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
 
-def _caller(context: grpc.aio.ServicerContext, tenants: Tenants | None = None) -> str:
-    """The caller's identity (its owner string: its tenant's when `tenants` names its credential), with
-    the per-caller cap's key set for this call: the identity, or "peer:<address>" (port left out) for an
-    anonymous caller."""
+def _caller(context: grpc.aio.ServicerContext, tenants: Tenants | None = None) -> dict[str, str]:
+    """The backend call's `owner` (the caller's identity: its tenant's when `tenants` names its
+    credential) and `caller` (the per-caller cap's key: the identity, or "peer:<address>", port left
+    out, for an anonymous caller)."""
     owner = caller_identity(context)
     if tenants is not None:
         owner = tenants.identity(owner, common_name(context))
-    CALLER_KEY.set(owner if owner != ANONYMOUS else f"peer:{_address(context.peer() or '')}")
-    return owner
+    who = Caller.of(owner, _address(context.peer() or ""))
+    return {"owner": who.owner, "caller": who.key}
 
 
 def _address(peer: str) -> str:

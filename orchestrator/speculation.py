@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from orchestrator import scheduling
 from orchestrator.accounting import CALIBRATION_FLUSH_ITERATIONS, account, flush_calibration
 from orchestrator.adaptation import PairEstimates, SourceEstimates
-from orchestrator.admission import CALLER_KEY, CallerLimit, RequestSlots, paced
+from orchestrator.admission import CallerLimit, RequestSlots, paced
 from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.drafting import DraftingContext, strategy_for
@@ -135,19 +135,22 @@ class Orchestrator:
         await self.store.close()
 
     # public API --------------------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest, *, owner: str = ANONYMOUS) -> GenerationResult:
-        return await _last_result(self.generate_stream(request, owner=owner))
+    async def generate(self, request: GenerationRequest, *, owner: str = ANONYMOUS,
+                       caller: str | None = None) -> GenerationResult:
+        return await _last_result(self.generate_stream(request, owner=owner, caller=caller))
 
     async def generate_stream(
-        self, request: GenerationRequest, *, owner: str = ANONYMOUS
+        self, request: GenerationRequest, *, owner: str = ANONYMOUS, caller: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
         """The request's chunks; it first waits for a request slot (Overloaded when none frees up in
         time), held while the run runs: a run whose reader falls behind pauses and gives its slot
         back (admission.paced), and one whose stream is closed ends at once. Its record is created
         bound to `owner` (the caller's identity, specdec.rpc.security), in owner's namespace of
         request ids: an id that owner already used is refused (AlreadyExists) and its stored progress
-        left as it was; another owner's record of the same id is neither seen nor touched."""
-        async with contextlib.aclosing(self._paced(self._generate(request, owner), owner,
+        left as it was; another owner's record of the same id is neither seen nor touched. `caller`: the
+        key the per-caller cap counts the call under, as the door knows the caller (its owner, or
+        "peer:<address>" for an anonymous one); None counts it under `owner`."""
+        async with contextlib.aclosing(self._paced(self._generate(request, owner), caller or owner,
                                                    request.request_id)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -160,23 +163,24 @@ class Orchestrator:
             async for chunk in chunks:
                 yield chunk
 
-    async def _paced(self, source: AsyncIterator[GenerationChunk], owner: str,
+    async def _paced(self, source: AsyncIterator[GenerationChunk], caller: str,
                      name: str | None) -> AsyncIterator[GenerationChunk]:
-        """`source` under the caller's cap (CallerLimit, counted under the CALLER_KEY a door set for its
-        call, else `owner`) and paced by its reader (admission.paced): it holds a request slot only
-        while it runs, and is closed after stream_idle_timeout_s without a chunk taken."""
-        with self.callers.hold(CALLER_KEY.get() or owner):
+        """`source` under the caller's cap (CallerLimit, counted under `caller`) and paced by its reader
+        (admission.paced): it holds a request slot only while it runs, and is closed after
+        stream_idle_timeout_s without a chunk taken."""
+        with self.callers.hold(caller):
             async with contextlib.aclosing(paced(source, self.admission, name=name or "",
                                                  idle_timeout_s=self.config.stream_idle_timeout_s)) as chunks:
                 async for chunk in chunks:
                     yield chunk
 
-    async def resume(self, request_id: str, *, owner: str = ANONYMOUS) -> GenerationResult:
+    async def resume(self, request_id: str, *, owner: str = ANONYMOUS,
+                     caller: str | None = None) -> GenerationResult:
         """Continue a stored request from its stored tokens (a finished one is returned as is)."""
-        return await _last_result(self.resume_stream(request_id, owner=owner))
+        return await _last_result(self.resume_stream(request_id, owner=owner, caller=caller))
 
     async def resume_stream(
-        self, request_id: str, *, owner: str = ANONYMOUS
+        self, request_id: str, *, owner: str = ANONYMOUS, caller: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
         """As generate_stream, from `owner`'s stored request (it takes a request slot the same way).
 
@@ -187,7 +191,7 @@ class Orchestrator:
         if not request_id:
             raise InvalidRequest("request_id: give the id of the stored request to resume")
         check_request_id(request_id, self.config.max_request_id_chars)  # before the store reads it
-        async with contextlib.aclosing(self._paced(self._resume(request_id, owner), owner,
+        async with contextlib.aclosing(self._paced(self._resume(request_id, owner), caller or owner,
                                                    request_id)) as chunks:
             async for chunk in chunks:
                 yield chunk

@@ -156,8 +156,7 @@ class HybridDrafts(Drafting):
             self.estimates.observe(self._key(source) if source else None, predicted=self._predicted,
                                    accepted=record.accepted, positions=record.num_drafted + 1,
                                    wall_seconds=record.end - record.start, steady=self._steady,
-                                   pass_calls=outcome.extra.get("pass_calls", 1.0),
-                                   pass_rows=outcome.extra.get("pass_rows"))
+                                   pass_calls=outcome.pass_calls, pass_rows=outcome.pass_rows)
             if source:
                 self.own_predicted[source] = self.own_predicted.get(source, 0.0) + self._predicted
                 self.own_accepted[source] = self.own_accepted.get(source, 0.0) + record.accepted

@@ -46,7 +46,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from orchestrator.admission import CALLER_KEY, door_write_timeout
+from orchestrator.admission import Caller, door_write_timeout
 from orchestrator.openai_http import responses
 from orchestrator.openai_http.connections import wait_until_read
 from orchestrator.openai_http.errors import REFUSALS
@@ -81,10 +81,10 @@ class OpenAIBackend(Protocol):
 
     async def ensure_serving(self) -> None: ...
 
-    async def generate(self, request: GenerationRequest, *, owner: str) -> GenerationResult: ...
+    async def generate(self, request: GenerationRequest, *, owner: str, caller: str) -> GenerationResult: ...
 
-    def generate_stream(self, request: GenerationRequest, *,
-                        owner: str) -> AsyncIterator[GenerationChunk]: ...
+    def generate_stream(self, request: GenerationRequest, *, owner: str,
+                        caller: str) -> AsyncIterator[GenerationChunk]: ...
 
 
 class OpenAIFrontDoor:
@@ -131,8 +131,7 @@ class GuardedRoute(APIRoute):
         async def guarded(request: Request) -> Response:
             try:
                 if not open_route:
-                    request.state.owner = owner = request.app.state.door.owner(request)
-                    CALLER_KEY.set(owner if owner != ANONYMOUS else f"peer:{_address(request)}")
+                    request.state.caller = Caller.of(request.app.state.door.owner(request), _address(request))
                 return await handler(request)
             except Exception as exc:  # noqa: BLE001 - every error becomes its HTTP answer here
                 return refusal(request, exc)
@@ -185,14 +184,14 @@ def create_app(orchestrator: OpenAIBackend, *, served_model_name: str | None = N
     async def completions(body: CompletionRequest, request: Request) -> Any:
         door.check_model(body.model)
         samples = body.generation_requests()
-        return await _respond(door, samples, request.state.owner, chat=False, prompts=len(body.prompts()),
+        return await _respond(door, samples, request.state.caller, chat=False, prompts=len(body.prompts()),
                               stream=body.stream, include_usage=_include_usage(body))
 
     @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         door.check_model(body.model)
         samples = body.generation_requests(orchestrator.config.max_new_tokens_limit)
-        return await _respond(door, samples, request.state.owner, chat=True, prompts=1, stream=body.stream,
+        return await _respond(door, samples, request.state.caller, chat=True, prompts=1, stream=body.stream,
                               include_usage=_include_usage(body))
 
     return app
@@ -276,7 +275,7 @@ def _include_usage(body: Any) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-async def _respond(door: OpenAIFrontDoor, samples: list[GenerationRequest], owner: str, *, chat: bool,
+async def _respond(door: OpenAIFrontDoor, samples: list[GenerationRequest], caller: Caller, *, chat: bool,
                    prompts: int, stream: bool, include_usage: bool) -> Any:
     orchestrator = door.orchestrator
     await orchestrator.ensure_serving()  # UNAVAILABLE (503) before any work, as the gRPC gate does
@@ -286,11 +285,12 @@ async def _respond(door: OpenAIFrontDoor, samples: list[GenerationRequest], owne
     samples = [replace(sample, request_id=f"{base}-{i}") for i, sample in enumerate(samples)]
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
     if not stream:
-        results = await _all_results(orchestrator, samples, owner)
+        results = await _all_results(orchestrator, samples, caller)
         body = (responses.chat_completion(response_id, created, model, results) if chat
                 else responses.completion(response_id, created, model, results, prompts))
         return JSONResponse(body)
-    chunks = merged_chunks([orchestrator.generate_stream(sample, owner=owner) for sample in samples])
+    chunks = merged_chunks([orchestrator.generate_stream(sample, owner=caller.owner, caller=caller.key)
+                            for sample in samples])
     try:
         first = await anext(chunks)  # a refused request still gets its HTTP status, not a 200 stream
     except BaseException:
@@ -304,11 +304,12 @@ async def _respond(door: OpenAIFrontDoor, samples: list[GenerationRequest], owne
 
 
 async def _all_results(orchestrator: OpenAIBackend, samples: Sequence[GenerationRequest],
-                       owner: str) -> list[GenerationResult]:
+                       caller: Caller) -> list[GenerationResult]:
     """All samples at once (each takes its own request slot); the first error cancels the rest."""
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(orchestrator.generate(sample, owner=owner)) for sample in samples]
+            tasks = [group.create_task(orchestrator.generate(sample, owner=caller.owner, caller=caller.key))
+                     for sample in samples]
     except BaseExceptionGroup as errors:  # the samples' first error is the response's
         raise errors.exceptions[0] from None
     return [task.result() for task in tasks]

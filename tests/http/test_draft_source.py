@@ -32,12 +32,12 @@ class RecordingBackend:
     async def ensure_serving(self) -> None:
         return None
 
-    async def generate(self, request: GenerationRequest, *, owner: str) -> GenerationResult:
+    async def generate(self, request: GenerationRequest, *, owner: str, caller: str) -> GenerationResult:
         self.requests.append(request)
         return GenerationResult(request_id="r", token_ids=[1], text="t1", finish_reason="length", seed=0,
                                 method=request.method or "token", stats=GenerationStats(new_tokens=1))
 
-    def generate_stream(self, request, *, owner):  # not used here
+    def generate_stream(self, request, *, owner, caller):  # not used here
         raise NotImplementedError
 
 

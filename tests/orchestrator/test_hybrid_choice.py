@@ -207,7 +207,7 @@ def test_a_free_turn_after_a_model_turn_is_settled_as_free() -> None:
     step = _step(lag=0, catch_up_seconds=0.0)
     step.record = SimpleNamespace(emitted=[1, 2], accepted=1, num_drafted=1, start=0.0, end=0.1)
     draft = SimpleNamespace(target_only=False, fallback=False, source="suffix", plan=None)
-    outcome = SimpleNamespace(extra={"pass_calls": 2.0, "pass_rows": 6.0})
+    outcome = SimpleNamespace(pass_calls=2, pass_rows=6)
     assert hybrid.plan(step) == "model plan"
     hybrid.settle(step, draft, outcome)  # type: ignore[arg-type]
     assert model.settled == 1

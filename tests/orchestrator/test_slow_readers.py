@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from orchestrator.admission import CALLER_KEY, StreamIdle
+from orchestrator.admission import StreamIdle
 from specdec.errors import Overloaded
 from specdec.generation import GenerationRequest
 from specdec.rpc.status import status_for
@@ -123,11 +123,8 @@ async def test_a_caller_over_its_cap_is_refused_at_once(make_orchestrator):
             await orch.generate(_request(seed=7, n=4), owner="token:alice")
         assert time.perf_counter() - began < 1.0  # refused before waiting for anything
         assert len((await orch.generate(_request(seed=7, n=4), owner="token:bob")).token_ids) == 4
-        token = CALLER_KEY.set("peer:10.0.0.1")  # an anonymous caller is counted by its address
-        try:
-            assert len((await orch.generate(_request(seed=7, n=4))).token_ids) == 4
-        finally:
-            CALLER_KEY.reset(token)
+        # an anonymous caller is counted by its address (the key its door passes)
+        assert len((await orch.generate(_request(seed=7, n=4), caller="peer:10.0.0.1")).token_ids) == 4
         assert orch.admission_stats()["caller_refused"] == 1
     finally:
         for stream in held:
