@@ -81,9 +81,15 @@ def _http(token: str | None) -> Request:
 
 def test_both_doors_name_the_tenant():
     tenants = parse_tenants(FILE, "tenants")
-    assert _caller(_Context("tok-a-2"), tenants) == "tenant:team-a"  # type: ignore[arg-type]
-    assert _caller(_Context(None, "billing-client"), tenants) == "tenant:team-c"  # type: ignore[arg-type]
-    assert _caller(_Context("tok-b")) == f"token:{digest('tok-b')}"  # type: ignore[arg-type]  # no tenants
+    def owner(context: _Context, tenants=None) -> str:
+        who = _caller(context, tenants)  # type: ignore[arg-type]
+        assert who["caller"] == who["owner"]  # a named caller is capped as itself
+        return who["owner"]
+
+    assert owner(_Context("tok-a-2"), tenants) == "tenant:team-a"
+    assert owner(_Context(None, "billing-client"), tenants) == "tenant:team-c"
+    assert owner(_Context("tok-b")) == f"token:{digest('tok-b')}"  # no tenants
+    assert _caller(_Context(None)) == {"owner": ANONYMOUS, "caller": "peer:ipv4:127.0.0.1"}  # type: ignore[arg-type]
     door = OpenAIFrontDoor(object(), tokens=tenants.tokens, tenants=tenants)  # type: ignore[arg-type]
     assert door.owner(_http("tok-a-1")) == "tenant:team-a" and door.owner(_http("tok-b")) == "tenant:team-b"
     with pytest.raises(Exception, match="token"):
