@@ -31,35 +31,25 @@ from specdec.cli.common import (
     setup_logging,
 )
 from specdec.cli.observability import (
-    MetricsHostOpt,
-    MetricsPortOpt,
-    MetricsTlsOpt,
-    MetricsTokenFileOpt,
     Observability,
     ObservabilityOptions,
-    OpenMetricsOpt,
-    OtlpEndpointOpt,
-    TraceFileOpt,
+)
+from specdec.cli.option_groups import (
+    CudaGraphs,
+    EngineBatching,
+    EngineCapacity,
+    OrchestratorLimits,
+    RequestDefaults,
+    ServerTls,
+    Telemetry,
+    takes_option_groups,
 )
 from specdec.cli.options import (
-    DEFAULT_ADMISSION_TIMEOUT_S,
-    DEFAULT_KV_CACHE_MB,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_PREFIX_CACHE_MB,
-    AdaptiveKOpt,
-    AdmissionTimeoutOpt,
     AuthTokenFileOpt,
-    BatchingOpt,
-    BatchWindowOpt,
     ChatTemplateOpt,
     ChatTemplateTimeoutOpt,
     CoresOpt,
-    CudaGraphsOpt,
-    DefaultAOpt,
-    DefaultKOpt,
-    DefaultMethodOpt,
     DeviceOpt,
-    DraftRowsOpt,
     DtypeOpt,
     EngineAuthTokenFileOpt,
     EngineTlsCaOpt,
@@ -68,43 +58,22 @@ from specdec.cli.options import (
     HostOpt,
     HttpPortOpt,
     InsecureEngineOpt,
-    KvCacheOpt,
-    KvSlotsOpt,
-    KvSlotTokensOpt,
     LogLevelOpt,
-    MaxActiveRequestsOpt,
-    MaxBatchTokensOpt,
     MaxChatTemplateKbOpt,
     MaxMessageOpt,
-    MaxPromptBytesOpt,
-    MaxRequestsPerCallerOpt,
-    MaxSessionsOpt,
     ModelOpt,
     PortOpt,
-    PrefixCacheOpt,
-    QueueTimeoutOpt,
     ReadyFileOpt,
-    RequestTtlOpt,
     ServedModelNameOpt,
-    SessionTtlOpt,
-    StoreOutageGraceOpt,
-    StoreTimeoutOpt,
-    StreamIdleTimeoutOpt,
     TenantsFileOpt,
     ThreadsOpt,
-    TlsCertOpt,
-    TlsClientCaOpt,
     TlsClientKeyOpt,
-    TlsKeyOpt,
-    TlsRequireClientCertOpt,
     TlsServerNameOpt,
     check_port_free,
     client_security,
     connect_address,
-    one_of,
     parse_cores,
     refuse_open_engine,
-    server_security,
 )
 from specdec.cli.processes import (
     DEFAULT_DRAFTER_PORT,
@@ -116,17 +85,9 @@ from specdec.cli.processes import (
 from specdec.defaults import (
     AUTO_PRECISION,
     DEFAULT_DRAFT_MODEL,
-    DEFAULT_DRAFT_SOURCE,
     DEFAULT_MAX_MESSAGE_MB,
     DEFAULT_TARGET_MODEL,
-    DRAFT_SOURCES,
     DraftSource,
-)
-from specdec.runtime.batch_config import (
-    DEFAULT_BATCH_WINDOW_MS,
-    DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_POOL_SLOTS,
-    DEFAULT_SLOT_TOKENS,
 )
 
 MIB = 1024 * 1024
@@ -139,18 +100,6 @@ WITHOUT_DRAFTER = {
     "lookup": "the request's own n-grams, else target-only steps",
     "suffix": "the request and a cache of recent requests, else target-only steps",
 }
-# The orchestrator's default draft source: one declaration for `serve orchestrator` and `up`.
-DraftSourceOpt = Annotated[str | None, typer.Option(
-    "--draft-source", callback=one_of(DRAFT_SOURCES), rich_help_panel="Speculation", help=(
-        f"Where the drafts of requests that name no draft_source come from: {' | '.join(DRAFT_SOURCES)}. "
-        "hybrid: per iteration a model-free draft (n-grams of the request's own prompt and output, or a "
-        "cache of recent requests of this orchestrator process) where it pays, else the draft model, else "
-        "a target-only step; model: the draft model only; lookup: the request's own n-grams only; suffix: "
-        "the request and the recent-requests cache only. Every source is verified exactly: the output's "
-        "law is the target's. Without a drafter (--drafter none) model is refused. Default: "
-        f"$SPECDEC_DRAFT_SOURCE, else {DEFAULT_DRAFT_SOURCE}."), show_default=False)]
-
-
 def is_no_drafter(value: str | None) -> bool:
     """Whether a --drafter / --draft value means "no drafter" (`none`, any case)."""
     return value is not None and value.strip().lower() == NO_DRAFTER
@@ -206,11 +155,9 @@ def kv_budget_tokens(kv_cache_mb: float, model: Any) -> int | None:
 
 
 def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dtype: str,
-                 threads: int | None, cores: str | None, max_message_mb: float, max_sessions: int,
-                 session_ttl: float, ready_file: Path | None, log_level: str,
-                 observability: ObservabilityOptions, batching: Any = None,
-                 kv_cache_mb: float = DEFAULT_KV_CACHE_MB, prefix_cache_mb: float = 0.0,
-                 admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S, security: Any = None,
+                 threads: int | None, cores: str | None, capacity: EngineCapacity, ready_file: Path | None,
+                 log_level: str, observability: ObservabilityOptions, batching: Any = None,
+                 security: Any = None,
                  threads_beside_drafter: int | None = None, template_limits: Any = None,
                  cuda_graphs: tuple[int, int] | None = None) -> None:
     """Load the model, build the engine and serve it (role: drafter | verifier) until a signal.
@@ -241,9 +188,10 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
             loaded = compute.call(load_model, path, device=device, dtype=dtype, threads=threads)
         loaded.compute = compute
         engine_class, start_server = _engine_and_server(role)
-        max_kv_tokens = kv_budget_tokens(kv_cache_mb, loaded.model)
-        sessions = SessionConfig(max_sessions=max_sessions, ttl_seconds=session_ttl,
-                                 max_kv_tokens=max_kv_tokens, admission_timeout_s=admission_timeout)
+        max_kv_tokens = kv_budget_tokens(capacity.kv_cache_mb, loaded.model)
+        sessions = SessionConfig(max_sessions=capacity.max_sessions, ttl_seconds=capacity.session_ttl,
+                                 max_kv_tokens=max_kv_tokens, admission_timeout_s=capacity.admission_timeout)
+        prefix_cache_mb = capacity.prefix_cache_mb
         extra: dict[str, Any] = {"template_limits": template_limits} if role == "verifier" else {}
         if prefix_cache_mb > 0:
             from specdec.runtime.prefix_cache import PrefixStore
@@ -281,7 +229,7 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
 
         door = security if security is not None else ServerSecurity()
         warn_if_exposed(host, tls=door.tls, token=door.authenticated, role=role)
-        server, bound = await start_server(engine, host, port, max_message_mb=max_message_mb,
+        server, bound = await start_server(engine, host, port, max_message_mb=capacity.max_message_mb,
                                            max_workers=engine.batching.workers,
                                            interceptors=[*door.interceptors(), *obs.server_interceptors],
                                            observers=obs.service_observers, credentials=door.credentials,
@@ -307,6 +255,7 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
     """The `serve ROLE` command of an engine service: the same options, its own defaults."""
 
     def command(
+        *,
         model: ModelOpt = default_model,
         host: HostOpt = DEFAULT_HOST,
         port: PortOpt = default_port,
@@ -314,35 +263,17 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         dtype: DtypeOpt = AUTO_PRECISION,
         threads: ThreadsOpt = None,
         cores: CoresOpt = None,
-        max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
-        max_sessions: MaxSessionsOpt = DEFAULT_MAX_SESSIONS,
-        session_ttl: SessionTtlOpt = 600.0,
-        kv_cache_mb: KvCacheOpt = DEFAULT_KV_CACHE_MB,
-        prefix_cache_mb: PrefixCacheOpt = DEFAULT_PREFIX_CACHE_MB,
-        admission_timeout: AdmissionTimeoutOpt = DEFAULT_ADMISSION_TIMEOUT_S,
+        capacity: EngineCapacity,
         ready_file: ReadyFileOpt = None,
         log_level: LogLevelOpt = "info",
-        trace_file: TraceFileOpt = None,
-        otlp_endpoint: OtlpEndpointOpt = None,
-        metrics_port: MetricsPortOpt = None,
-        metrics_host: MetricsHostOpt = "127.0.0.1",
-        metrics_token_file: MetricsTokenFileOpt = None,
-        open_metrics: OpenMetricsOpt = False,
-        metrics_tls: MetricsTlsOpt = False,
-        batching: BatchingOpt = True,
-        max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
-        batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS,
-        tls_cert: TlsCertOpt = None,
-        tls_key: TlsKeyOpt = None,
-        tls_client_ca: TlsClientCaOpt = None,
-        tls_require_client_cert: TlsRequireClientCertOpt = False,
+        telemetry: Telemetry,
+        batch: EngineBatching,
+        tls: ServerTls,
         auth_token_file: EngineAuthTokenFileOpt = None,
         insecure_engine: InsecureEngineOpt = False,
         max_chat_template_kb: MaxChatTemplateKbOpt = 64,
         chat_template_timeout: ChatTemplateTimeoutOpt = 2.0,
-        cuda_graphs: CudaGraphsOpt = True,
-        kv_slots: KvSlotsOpt = DEFAULT_POOL_SLOTS,
-        kv_slot_tokens: KvSlotTokensOpt = DEFAULT_SLOT_TOKENS,
+        graphs: CudaGraphs,
         threads_beside_drafter: Annotated[int | None, typer.Option(
             "--threads-beside-drafter", min=1, rich_help_panel="Models and placement",
             help="Verifier only: torch threads of a pass while a drafter call runs beside it; the other "
@@ -353,27 +284,21 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         from specdec.runtime.batch_config import BatchConfig
         from specdec.runtime.chat_template import TemplateLimits
 
-        security = server_security(tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
-                                   tls_require_client_cert=tls_require_client_cert,
-                                   auth_token_file=auth_token_file)  # exits on a bad flag, before loading
+        security = tls.security(auth_token_file)  # exits on a bad flag, before loading
         refuse_open_engine(role, host, security, insecure_engine)
-        observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host,
-                                             metrics_token_file, metrics_tls, security.cert, security.key,
-                                             auth_token_file, open_metrics)
-        batch = BatchConfig(batching, max_batch_tokens, batch_window_ms)
+        observability = telemetry.options(security.cert, security.key, auth_token_file)
+        batching = BatchConfig(batch.batching, batch.max_batch_tokens, batch.batch_window_ms)
         template_limits = TemplateLimits(max_template_bytes=max_chat_template_kb * 1024,
                                          timeout_s=chat_template_timeout)
         serve_engine(role, model=model, host=host, port=port, device=device, dtype=dtype, threads=threads,
-                     cores=cores, max_message_mb=max_message_mb, max_sessions=max_sessions,
-                     session_ttl=session_ttl, ready_file=ready_file, log_level=log_level,
-                     observability=observability, batching=batch, kv_cache_mb=kv_cache_mb,
-                     prefix_cache_mb=prefix_cache_mb, admission_timeout=admission_timeout, security=security,
+                     cores=cores, capacity=capacity, ready_file=ready_file, log_level=log_level,
+                     observability=observability, batching=batching, security=security,
                      threads_beside_drafter=threads_beside_drafter, template_limits=template_limits,
-                     cuda_graphs=(kv_slots, kv_slot_tokens) if cuda_graphs else None)
+                     cuda_graphs=graphs.pool)
 
     command.__name__ = command.__qualname__ = f"serve_{role}"
     command.__doc__ = summary
-    return command
+    return takes_option_groups(command)
 
 
 serve_drafter = serve_app.command("drafter", cls=ServeCommand)(_engine_command(
@@ -425,7 +350,9 @@ async def start_http_api(orchestrator: Any, host: str, port: int, *, security: A
 
 
 @serve_app.command("orchestrator", cls=ServeCommand)
+@takes_option_groups
 def serve_orchestrator(
+    *,
     drafter: Annotated[str, typer.Option("--drafter", help=(
         "Address of the drafter service, host:port. A DNS name that resolves to several addresses (a "
         "Kubernetes headless Service) means several replicas: each request's sessions stay on one, "
@@ -440,23 +367,11 @@ def serve_orchestrator(
     host: HostOpt = DEFAULT_HOST,
     port: PortOpt = DEFAULT_ORCHESTRATOR_PORT,
     max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
-    default_method: DefaultMethodOpt = None,
-    default_k: DefaultKOpt = None,
-    default_a: DefaultAOpt = None,
-    draft_source: DraftSourceOpt = None,
+    defaults: RequestDefaults,
     store_url: Annotated[str | None, typer.Option(
         "--store-url", help="redis://host:port/db keeps requests and calibration in Redis. "
         "Default: $SPECDEC_STORE_URL, else in memory.", show_default=False)] = None,
-    draft_rows: DraftRowsOpt = None,
-    adaptive_k: AdaptiveKOpt = None,
-    max_active_requests: MaxActiveRequestsOpt = None,
-    queue_timeout: QueueTimeoutOpt = None,
-    request_ttl: RequestTtlOpt = None,
-    store_timeout: StoreTimeoutOpt = None,
-    store_outage_grace: StoreOutageGraceOpt = None,
-    max_requests_per_caller: MaxRequestsPerCallerOpt = None,
-    stream_idle_timeout: StreamIdleTimeoutOpt = None,
-    max_prompt_bytes: MaxPromptBytesOpt = None,
+    limits: OrchestratorLimits,
     http_port: HttpPortOpt = None,
     served_model_name: ServedModelNameOpt = None,
     chat_template: ChatTemplateOpt = None,
@@ -465,17 +380,8 @@ def serve_orchestrator(
         "reported (a warning); the orchestrator listens meanwhile, NOT_SERVING, and keeps waiting.")] = 60.0,
     ready_file: ReadyFileOpt = None,
     log_level: LogLevelOpt = "info",
-    trace_file: TraceFileOpt = None,
-    otlp_endpoint: OtlpEndpointOpt = None,
-    metrics_port: MetricsPortOpt = None,
-    metrics_host: MetricsHostOpt = "127.0.0.1",
-    metrics_token_file: MetricsTokenFileOpt = None,
-    open_metrics: OpenMetricsOpt = False,
-    metrics_tls: MetricsTlsOpt = False,
-    tls_cert: TlsCertOpt = None,
-    tls_key: TlsKeyOpt = None,
-    tls_client_ca: TlsClientCaOpt = None,
-    tls_require_client_cert: TlsRequireClientCertOpt = False,
+    telemetry: Telemetry,
+    tls: ServerTls,
     auth_token_file: AuthTokenFileOpt = None,
     tenants_file: TenantsFileOpt = None,
     tls_ca: EngineTlsCaOpt = None,
@@ -493,23 +399,20 @@ def serve_orchestrator(
     """
     setup_logging(log_level)
     # Transport security (docs/security.md), checked before anything starts; exits on a bad flag.
-    front = server_security(tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
-                            tls_require_client_cert=tls_require_client_cert, auth_token_file=auth_token_file,
-                            tenants_file=tenants_file)
+    front = tls.security(auth_token_file, tenants_file)
     engine_security = client_security(tls_ca=tls_ca, tls_client_cert=tls_client_cert,
                                       tls_client_key=tls_client_key, tls_server_name=tls_server_name,
                                       token_file=engine_token_file, token_flag="--engine-token-file")
     try:
-        config = orchestrator_config(default_method, default_k, default_a, store_url, draft_rows, adaptive_k,
-                                     max_active_requests, queue_timeout, request_ttl, max_prompt_bytes,
-                                     read_chat_template(chat_template))
-        if draft_source is not None:  # checked by the option; the command line wins over the variable
-            config = config.model_copy(update={"draft_source": draft_source})
-        given_bounds = {"store_timeout_s": store_timeout, "store_outage_grace_s": store_outage_grace,
-                        "max_requests_per_caller": max_requests_per_caller,
-                        "stream_idle_timeout_s": stream_idle_timeout}
-        if any(value is not None for value in given_bounds.values()):  # checked by the options, as above
-            config = config.model_copy(update={k: v for k, v in given_bounds.items() if v is not None})
+        config = orchestrator_config(defaults.default_method, defaults.default_k, defaults.default_a,
+                                     store_url, limits.draft_rows, limits.adaptive_k,
+                                     limits.max_active_requests, limits.queue_timeout, limits.request_ttl,
+                                     limits.max_prompt_bytes, read_chat_template(chat_template))
+        # Checked by the options; the command line wins over the variables.
+        if defaults.draft_source is not None:
+            config = config.model_copy(update={"draft_source": defaults.draft_source})
+        if limits.store_bounds:
+            config = config.model_copy(update=limits.store_bounds)
     except CliError as exc:
         raise fail(str(exc)) from None
     if http_port is not None:  # optional packages: one line and exit 2 when absent (specdec.cli.extras)
@@ -524,9 +427,7 @@ def serve_orchestrator(
         check_port_free(host, port, "--port")
         if http_port:
             check_port_free(host, http_port, "--http-port")
-        observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host,
-                                             metrics_token_file, metrics_tls, front.cert, front.key,
-                                             auth_token_file, open_metrics)
+        observability = telemetry.options(front.cert, front.key, auth_token_file)
         obs = observability.setup("orchestrator", protected=front.tls or front.authenticated)
     except CliError as exc:
         raise fail(str(exc)) from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,55 +19,23 @@ from rich.table import Table
 
 from specdec.cli import processes
 from specdec.cli.common import CliError, err, fail, resolve_model
-from specdec.cli.observability import (
-    MetricsHostOpt,
-    MetricsTlsOpt,
-    MetricsTokenFileOpt,
-    ObservabilityOptions,
-    OpenMetricsOpt,
-    OtlpEndpointOpt,
-    TraceFileOpt,
+from specdec.cli.option_groups import (
+    CudaGraphs,
+    EngineBatching,
+    EngineCapacity,
+    OrchestratorLimits,
+    RequestDefaults,
+    ServerTls,
+    Telemetry,
+    takes_option_groups,
 )
 from specdec.cli.options import (
-    DEFAULT_ADMISSION_TIMEOUT_S,
-    DEFAULT_KV_CACHE_MB,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_PREFIX_CACHE_MB,
-    AdaptiveKOpt,
-    AdmissionTimeoutOpt,
     AuthTokenFileOpt,
-    BatchingOpt,
-    BatchWindowOpt,
     ChatTemplateOpt,
-    CudaGraphsOpt,
-    DefaultAOpt,
-    DefaultKOpt,
-    DefaultMethodOpt,
-    DraftRowsOpt,
     DtypeOpt,
-    KvCacheOpt,
-    KvSlotsOpt,
-    KvSlotTokensOpt,
-    MaxActiveRequestsOpt,
-    MaxBatchTokensOpt,
-    MaxMessageOpt,
-    MaxPromptBytesOpt,
-    MaxRequestsPerCallerOpt,
-    MaxSessionsOpt,
-    PrefixCacheOpt,
-    QueueTimeoutOpt,
-    RequestTtlOpt,
     ServedModelNameOpt,
-    SessionTtlOpt,
-    StoreOutageGraceOpt,
-    StoreTimeoutOpt,
-    StreamIdleTimeoutOpt,
     TenantsFileOpt,
-    TlsCertOpt,
-    TlsClientCaOpt,
     TlsClientKeyOpt,
-    TlsKeyOpt,
-    TlsRequireClientCertOpt,
     TlsServerNameOpt,
     absolute_path,
     check_device,
@@ -75,7 +44,6 @@ from specdec.cli.options import (
     one_of,
     parse_cores,
     precision_line,
-    server_security,
 )
 from specdec.cli.processes import (
     DEFAULT_DRAFTER_PORT,
@@ -86,28 +54,32 @@ from specdec.cli.processes import (
     DEFAULT_VERIFIER_PORT,
     ProcessError,
 )
-from specdec.cli.serve import NO_DRAFTER, WITHOUT_DRAFTER, DraftSourceOpt, is_no_drafter
+from specdec.cli.serve import NO_DRAFTER, WITHOUT_DRAFTER, is_no_drafter
 from specdec.defaults import (
     AUTO_PRECISION,
     DEFAULT_DRAFT_MODEL,
     DEFAULT_DRAFT_SOURCE,
-    DEFAULT_MAX_MESSAGE_MB,
     DEFAULT_TARGET_MODEL,
     DRAFT_SOURCES,
     DraftSource,
-)
-from specdec.runtime.batch_config import (
-    DEFAULT_BATCH_WINDOW_MS,
-    DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_POOL_SLOTS,
-    DEFAULT_SLOT_TOKENS,
 )
 
 LOCAL_DRAFTER = "local"
 DRAFT_SOURCE_ENV = "SPECDEC_DRAFT_SOURCE"  # the orchestrator's own variable (OrchestratorConfig.draft_source)
 
 
+@dataclass(frozen=True)
+class UpTelemetry(Telemetry):
+    """`up`'s --metrics-port numbers three endpoints, one per service."""
+
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", help="Prometheus /metrics of the orchestrator on this port, the drafter on +1, the "
+        "verifier on +2 (0 = any free ports). Default: no metrics endpoints.", show_default=False)] = None
+
+
+@takes_option_groups
 def up(
+    *,
     draft: Annotated[str, typer.Option("--draft", help=(
         "Draft model: registry name or path; none: no draft model (the same as --drafter none)."))] =
         DEFAULT_DRAFT_MODEL,
@@ -156,35 +128,14 @@ def up(
     verifier_threads: Annotated[int | None, typer.Option(
         "--verifier-threads", help="torch threads of the verifier. Default: its number of cores.",
         show_default=False)] = None,
-    max_message_mb: MaxMessageOpt = DEFAULT_MAX_MESSAGE_MB,
-    max_sessions: MaxSessionsOpt = DEFAULT_MAX_SESSIONS,
-    session_ttl: SessionTtlOpt = 600.0,
-    kv_cache_mb: KvCacheOpt = DEFAULT_KV_CACHE_MB,
-    prefix_cache_mb: PrefixCacheOpt = DEFAULT_PREFIX_CACHE_MB,
-    admission_timeout: AdmissionTimeoutOpt = DEFAULT_ADMISSION_TIMEOUT_S,
-    batching: BatchingOpt = True,
-    max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS,
-    batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS,
-    cuda_graphs: CudaGraphsOpt = True,
-    kv_slots: KvSlotsOpt = DEFAULT_POOL_SLOTS,
-    kv_slot_tokens: KvSlotTokensOpt = DEFAULT_SLOT_TOKENS,
-    default_method: DefaultMethodOpt = None,
-    default_k: DefaultKOpt = None,
-    default_a: DefaultAOpt = None,
-    draft_source: DraftSourceOpt = None,
+    capacity: EngineCapacity,
+    batch: EngineBatching,
+    graphs: CudaGraphs,
+    defaults: RequestDefaults,
     store_url: Annotated[str | None, typer.Option(
         "--store-url", help="redis://host:port/db for the orchestrator's store. Default: in memory.",
         show_default=False)] = None,
-    draft_rows: DraftRowsOpt = None,
-    adaptive_k: AdaptiveKOpt = None,
-    max_active_requests: MaxActiveRequestsOpt = None,
-    queue_timeout: QueueTimeoutOpt = None,
-    request_ttl: RequestTtlOpt = None,
-    store_timeout: StoreTimeoutOpt = None,
-    store_outage_grace: StoreOutageGraceOpt = None,
-    max_requests_per_caller: MaxRequestsPerCallerOpt = None,
-    stream_idle_timeout: StreamIdleTimeoutOpt = None,
-    max_prompt_bytes: MaxPromptBytesOpt = None,
+    limits: OrchestratorLimits,
     http_port: Annotated[int, typer.Option(
         "--http-port", min=0, max=65535, help="Port of the orchestrator's OpenAI-compatible HTTP API "
         "(/v1/completions, /v1/chat/completions, /v1/models, /health; docs/http.md), on --host with "
@@ -212,19 +163,8 @@ def up(
     log_dir: Annotated[Path | None, typer.Option(
         "--log-dir", help="Folder for the services' logs. Default: a new temporary folder.",
         show_default=False)] = None,
-    trace_file: TraceFileOpt = None,
-    otlp_endpoint: OtlpEndpointOpt = None,
-    metrics_port: Annotated[int | None, typer.Option(
-        "--metrics-port", help="Prometheus /metrics of the orchestrator on this port, the drafter on +1, the "
-        "verifier on +2 (0 = any free ports). Default: no metrics endpoints.", show_default=False)] = None,
-    metrics_host: MetricsHostOpt = "127.0.0.1",
-    metrics_token_file: MetricsTokenFileOpt = None,
-    open_metrics: OpenMetricsOpt = False,
-    metrics_tls: MetricsTlsOpt = False,
-    tls_cert: TlsCertOpt = None,
-    tls_key: TlsKeyOpt = None,
-    tls_client_ca: TlsClientCaOpt = None,
-    tls_require_client_cert: TlsRequireClientCertOpt = False,
+    telemetry: UpTelemetry,
+    tls: ServerTls,
     tls_ca: Annotated[Path | None, typer.Option(
         "--tls-ca", help="The PEM CA certificate that signed --tls-cert (needed with it): the orchestrator "
         "verifies the drafter and the verifier with it, and `up` its health checks of all three.",
@@ -259,13 +199,12 @@ def up(
     # Usage errors first (exit 2), then what is missing here (models), then the ports: a bad
     # option is reported as such even while another `up` holds the default ports.
     no_drafter = drafter == NO_DRAFTER or is_no_drafter(draft)
+    draft_source = defaults.draft_source
     _check_drafter_options(no_drafter, draft=draft, draft_source=draft_source, drafter_cores=drafter_cores,
                            drafter_threads=drafter_threads, drafter_device=drafter_device)
     tls_args, orchestrator_args, probe = _security_args(
-        tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
-        tls_require_client_cert=tls_require_client_cert, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
-        tls_client_key=tls_client_key, tls_server_name=tls_server_name, auth_token_file=auth_token_file,
-        tenants_file=tenants_file)
+        tls, tls_ca=tls_ca, tls_client_cert=tls_client_cert, tls_client_key=tls_client_key,
+        tls_server_name=tls_server_name, auth_token_file=auth_token_file, tenants_file=tenants_file)
     d_cores = v_cores = None
     if no_drafter:  # the verifier gets every core (and as many threads) that the two would have shared
         if not no_pin:
@@ -301,22 +240,21 @@ def up(
         err.print(_no_drafter_line(v_cores, verifier_threads, draft_source))
     else:
         err.print(precision_line(dtype, drafter=drafter_device, verifier=verifier_device))
-    _warn_if_exposed(host, tls=tls_cert is not None, client_token=auth_token_file is not None,
-                     client_certs=tls_require_client_cert)
-    observability = ObservabilityOptions(trace_file, otlp_endpoint, metrics_port, metrics_host,
-                                         metrics_token_file, metrics_tls, tls_cert, tls_key,
-                                         auth_token_file, open_metrics)
+    _warn_if_exposed(host, tls=tls.tls_cert is not None, client_token=auth_token_file is not None,
+                     client_certs=tls.tls_require_client_cert)
+    observability = telemetry.options(tls.tls_cert, tls.tls_key, auth_token_file)
     supervisor = processes.Supervisor(log_dir)
     supervisor.install_signal_handlers()
     engine_token = _engine_token_file(supervisor.log_dir)
-    common = ["--host", host, "--dtype", dtype, "--max-message-mb", str(max_message_mb),
-              "--max-sessions", str(max_sessions), "--session-ttl", str(session_ttl),
-              "--batching" if batching else "--no-batching", "--max-batch-tokens", str(max_batch_tokens),
-              "--batch-window-ms", str(batch_window_ms), "--kv-cache-mb", str(kv_cache_mb),
-              "--prefix-cache-mb", str(prefix_cache_mb),
-              "--admission-timeout", str(admission_timeout),
-              "--cuda-graphs" if cuda_graphs else "--no-cuda-graphs", "--kv-slots", str(kv_slots),
-              "--kv-slot-tokens", str(kv_slot_tokens)]
+    common = ["--host", host, "--dtype", dtype, "--max-message-mb", str(capacity.max_message_mb),
+              "--max-sessions", str(capacity.max_sessions), "--session-ttl", str(capacity.session_ttl),
+              "--batching" if batch.batching else "--no-batching",
+              "--max-batch-tokens", str(batch.max_batch_tokens),
+              "--batch-window-ms", str(batch.batch_window_ms), "--kv-cache-mb", str(capacity.kv_cache_mb),
+              "--prefix-cache-mb", str(capacity.prefix_cache_mb),
+              "--admission-timeout", str(capacity.admission_timeout),
+              "--cuda-graphs" if graphs.cuda_graphs else "--no-cuda-graphs",
+              "--kv-slots", str(graphs.kv_slots), "--kv-slot-tokens", str(graphs.kv_slot_tokens)]
 
     def engine_child(role: str, model: Path, role_port: int, device: str, cores, threads,
                      extra: tuple[str, ...] = ()) -> processes.Child:
@@ -348,26 +286,27 @@ def up(
             status.update("starting the orchestrator …")
             drafter_address = NO_DRAFTER if no_drafter else engines[0].address
             args = ["orchestrator", "--drafter", drafter_address, "--verifier", verifier.address,
-                    "--host", host, "--port", str(port), "--max-message-mb", str(max_message_mb),
+                    "--host", host, "--port", str(port), "--max-message-mb", str(capacity.max_message_mb),
                     *tls_args, *orchestrator_args, "--engine-token-file", str(engine_token)]
-            for flag, value in (("--default-method", default_method), ("--default-k", default_k),
-                                ("--default-a", default_a), ("--draft-source", draft_source),
-                                ("--store-url", store_url),
-                                ("--draft-rows", draft_rows),
-                                ("--max-active-requests", max_active_requests),
-                                ("--queue-timeout", queue_timeout), ("--request-ttl", request_ttl),
-                                ("--store-timeout", store_timeout),
-                                ("--store-outage-grace", store_outage_grace),
-                                ("--max-requests-per-caller", max_requests_per_caller),
-                                ("--stream-idle-timeout", stream_idle_timeout),
-                                ("--max-prompt-bytes", max_prompt_bytes),
+            for flag, value in (("--default-method", defaults.default_method),
+                                ("--default-k", defaults.default_k), ("--default-a", defaults.default_a),
+                                ("--draft-source", draft_source), ("--store-url", store_url),
+                                ("--draft-rows", limits.draft_rows),
+                                ("--max-active-requests", limits.max_active_requests),
+                                ("--queue-timeout", limits.queue_timeout),
+                                ("--request-ttl", limits.request_ttl),
+                                ("--store-timeout", limits.store_timeout),
+                                ("--store-outage-grace", limits.store_outage_grace),
+                                ("--max-requests-per-caller", limits.max_requests_per_caller),
+                                ("--stream-idle-timeout", limits.stream_idle_timeout),
+                                ("--max-prompt-bytes", limits.max_prompt_bytes),
                                 ("--served-model-name", served_model_name),
                                 ("--chat-template", absolute_path(chat_template)),
                                 ("--http-port", None if no_http else http_port)):
                 if value is not None:
                     args += [flag, str(value)]
-            if adaptive_k is not None:
-                args.append("--adaptive-k" if adaptive_k else "--fixed-k")
+            if limits.adaptive_k is not None:
+                args.append("--adaptive-k" if limits.adaptive_k else "--fixed-k")
             args += observability.child_args("orchestrator")
             orch = supervisor.start(supervisor.child("orchestrator", args))
             processes.wait_ready(orch, startup_timeout, abort=supervisor.stop_requested, security=probe)
@@ -376,7 +315,8 @@ def up(
                 err.print(f"  {escape(orch.info['defaults'])}")
         metrics = {c.name: c.info["metrics_url"] for c in supervisor.children if c.info.get("metrics_url")}
         flags = _generate_flags(tls_ca, tls_client_cert, tls_client_key, tls_server_name, auth_token_file)
-        _print_pipeline(supervisor, {"drafter": draft, "verifier": target}, metrics, trace_file, flags)
+        _print_pipeline(supervisor, {"drafter": draft, "verifier": target}, metrics, telemetry.trace_file,
+                        flags)
         ready = {
             "orchestrator": orch.address, "drafter": None if no_drafter else engines[0].address,
             "verifier": verifier.address, "draft_source": orch.info.get("draft_source"),
@@ -536,24 +476,21 @@ def _print_pipeline(supervisor: processes.Supervisor, models: dict[str, str], me
 # ============================================================================== transport security
 
 
-def _security_args(*, tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
-                   tls_require_client_cert: bool, tls_ca: Path | None, tls_client_cert: Path | None,
+def _security_args(tls: ServerTls, *, tls_ca: Path | None, tls_client_cert: Path | None,
                    tls_client_key: Path | None, tls_server_name: str | None,
                    auth_token_file: Path | None, tenants_file: Path | None = None
                    ) -> tuple[list[str], list[str], Any]:
     """Check `up`'s security options (exit 2 on a bad combination, 1 on a bad file, before any model
     loads) and turn them into (every child's server flags, the orchestrator's own flags: its client
     side and its token, the ClientSecurity of `up`'s health checks)."""
-    server = server_security(tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
-                             tls_require_client_cert=tls_require_client_cert, auth_token_file=auth_token_file,
-                             tenants_file=tenants_file)
+    server = tls.security(auth_token_file, tenants_file)
     if server.tls and tls_ca is None:
         raise fail("--tls-cert with `up` needs --tls-ca (the CA that signed it: the orchestrator and `up`'s "
                    "health checks verify the services with it)", 2)
     if not server.tls and (tls_ca is not None or tls_client_cert is not None or tls_server_name is not None):
         raise fail("--tls-ca, --tls-client-cert and --tls-server-name of `up` need --tls-cert and --tls-key "
                    "(its services serve TLS with them)", 2)
-    if tls_require_client_cert and tls_client_cert is None:
+    if tls.tls_require_client_cert and tls_client_cert is None:
         raise fail("--tls-require-client-cert with `up` needs --tls-client-cert and --tls-client-key (the "
                    "certificate the orchestrator and `up`'s health checks present)", 2)
     probe = client_security(tls_ca=tls_ca, tls_client_cert=tls_client_cert, tls_client_key=tls_client_key,
