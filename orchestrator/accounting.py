@@ -1,5 +1,5 @@
-"""What an iteration leaves behind: its IterationRecord, the run's GenerationStats, and the model
-pair's calibration counters (added to the store now and then, read back to shape trees).
+"""What an iteration leaves behind: its IterationRecord, what it adds to the run's GenerationStats, and
+to the model pair's calibration counters (added to the store now and then, read back to shape trees).
 
 Counter keys, per method ("{method}:…"): iterations, drafted_tokens, accepted_tokens,
 drafted@d / accepted@d (iterations whose draft / accepted path reached depth d + 1), and the rank
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from orchestrator.run import Run
 from orchestrator.store import Store
@@ -20,7 +21,7 @@ from orchestrator.timeline import Timeline
 from specdec.defaults import DraftSource
 from specdec.engine.api import VerifyOutcome
 from specdec.errors import StoreUnavailable
-from specdec.generation import IterationRecord, SourceStats
+from specdec.generation import GenerationStats, IterationRecord, SourceStats
 from specdec.trees import DraftTree
 
 log = logging.getLogger(__name__)
@@ -28,45 +29,49 @@ log = logging.getLogger(__name__)
 CALIBRATION_FLUSH_ITERATIONS = 64  # long requests add their counts to the store this often
 
 
-def account(
-    run: Run, record: IterationRecord, *, tree: DraftTree, outcome: VerifyOutcome, emitted: list[int],
-    started: float, timeline: Timeline, source: str = DraftSource.MODEL,
-) -> None:
-    """Complete the iteration's record, add it to the run's statistics and calibration counts."""
-    state = run.state
-    record.drafted = len(tree) > 0
-    record.num_drafted = len(tree)
-    record.source = source if record.drafted else ""
-    record.accepted = len(outcome.accepted_nodes)
-    record.emitted = emitted
-    record.start, record.end = run.epoch(started), run.epoch(time.perf_counter())
-    record.draft_intervals = [(run.epoch(s), run.epoch(e)) for s, e in timeline.draft]
-    record.verify_intervals = [(run.epoch(s), run.epoch(e)) for s, e in timeline.verify]
-    record.overlap_seconds = timeline.overlap_seconds()
+@dataclass(frozen=True)
+class Tally:
+    """What one iteration leaves behind, for the loop to apply: its record (built here, in one place),
+    what it adds to the run's statistics, and what it adds to the pair's calibration counts."""
 
-    stats = state.stats
-    stats.iterations += 1
-    stats.new_tokens = len(state.generated)
-    stats.draft_seconds += timeline.draft_seconds()
-    stats.verify_seconds += timeline.verify_seconds()
-    stats.overlap_seconds += record.overlap_seconds
-    stats.cached_tokens += max(0, int(outcome.cached_tokens))
-    if record.fallback:
-        stats.fallback_iterations += 1
-    if record.drafted:
-        accepted = len(outcome.accepted_nodes)
-        stats.drafted_iterations += 1
-        stats.drafted_tokens += len(tree)
-        stats.accepted_tokens += accepted
+    record: IterationRecord
+    stats: GenerationStats
+    calibration: Counter
+
+
+def account(
+    run: Run, *, position: int, tree: DraftTree, method: str, k: int, heads: int | None, fallback: bool,
+    source: str, outcome: VerifyOutcome, emitted: list[int], started: float, timeline: Timeline,
+) -> Tally:
+    """The iteration's record and counts: `method` is what ran (the run's method, or "autoregressive"
+    for a target-only step), `k` the size its plan asked for, `heads` RD's leading heads."""
+    settings = run.settings
+    drafted = len(tree) > 0
+    accepted = len(outcome.accepted_nodes)
+    overlap = timeline.overlap_seconds()
+    record = IterationRecord(
+        request_id=run.request_id, index=run.state.stats.iterations, position=position, method=method,
+        a=settings.a, k=k, heads=heads, drafted=drafted, num_drafted=len(tree), accepted=accepted,
+        emitted=emitted, fallback=fallback, start=run.epoch(started), end=run.epoch(time.perf_counter()),
+        draft_intervals=[(run.epoch(s), run.epoch(e)) for s, e in timeline.draft],
+        verify_intervals=[(run.epoch(s), run.epoch(e)) for s, e in timeline.verify],
+        overlap_seconds=overlap, source=source if drafted else "",
+    )
+    stats = GenerationStats(iterations=1, draft_seconds=timeline.draft_seconds(),
+                            verify_seconds=timeline.verify_seconds(), overlap_seconds=overlap,
+                            cached_tokens=max(0, int(outcome.cached_tokens)),
+                            fallback_iterations=int(fallback))
+    calibration: Counter = Counter()
+    if drafted:
+        stats.drafted_iterations = 1
+        stats.drafted_tokens, stats.accepted_tokens = len(tree), accepted
         bump(stats.drafted_per_position, tree.max_depth)
         bump(stats.accepted_per_position, accepted)
-        by_source = stats.sources.setdefault(record.source, SourceStats())
-        by_source.drafts += 1
-        by_source.drafted_tokens += len(tree)
-        by_source.accepted_tokens += accepted
+        stats.sources[record.source] = SourceStats(drafts=1, drafted_tokens=len(tree),
+                                                   accepted_tokens=accepted)
         if record.source == DraftSource.MODEL:  # the pair's calibration is the draft model's acceptance
-            count_calibration(state.calibration, record.method, tree, outcome.accepted_nodes)
-    state.iterations.append(record)
+            count_calibration(calibration, method, tree, outcome.accepted_nodes)
+    return Tally(record, stats, calibration)
 
 
 def count_calibration(counts: Counter, method: str, tree: DraftTree, accepted_nodes: list[int]) -> None:
@@ -95,12 +100,11 @@ def count_calibration(counts: Counter, method: str, tree: DraftTree, accepted_no
         node = chosen
 
 
-async def flush_calibration(calibration: Counter, store: Store, pair_key: str) -> None:
-    """Add a run's acceptance counts to the model pair's running statistics in the store."""
-    if not calibration:
+async def flush_calibration(counts: dict[str, int], store: Store, pair_key: str) -> None:
+    """Add a run's acceptance counts (taken out of its state by the loop) to the model pair's running
+    statistics in the store."""
+    if not counts:
         return
-    counts = dict(calibration)
-    calibration.clear()
     try:
         await store.add_calibration(pair_key, counts)
     except StoreUnavailable:  # an outage, which the store logs once: these counts are lost

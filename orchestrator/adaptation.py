@@ -58,7 +58,7 @@ PRIOR_ALPHA = 0.6  # before any acceptance was seen
 PRIOR_SLOPE = 0.075  # T_p(n) ≈ T_p(1)·(1 + 0.075·(n − 1)) until two sizes were measured (int8 CPU)
 DECIDE_EVERY = 4  # a request's iterations between decisions (a pre-draft of the old length is dropped)
 OPENING = 2  # a request's first iterations at the pair's best k ≥ 1, whatever the pair says
-# Pre-drafted only (orchestrator.drafting.lookahead): an opening iteration that finds no pre-draft is a target
+# Pre-drafted only (orchestrator.drafting.model): an opening iteration that finds no pre-draft is a target
 # step beside a look-ahead, not a fresh draft, so a longer opening costs little and lets a request
 # whose acceptance differs from the pair's (code beside chat) show it.
 PREDRAFTED_OPENING = 4
@@ -102,7 +102,7 @@ class Observation:
     steady: bool = True
     # The draft length the request chose (None: `drafted`). It differs from `drafted` when a
     # pre-drafted-only request had no pre-draft for its prefix and took a target-only step while the
-    # drafter looked ahead (orchestrator.drafting.lookahead): that step's time and yield belong to setting k.
+    # drafter looked ahead (orchestrator.drafting.model): that step's time and yield belong to setting k.
     setting: int | None = None
     # The request's setting changed at this iteration: a pre-draft of the old length does not fit,
     # so at a new setting the first iteration never drafts; it says nothing of the drafted share.

@@ -71,7 +71,7 @@ class OrchestratorConfig(BaseSettings):
     suffix_cache_partitions: int = Field(16, ge=1)
     suffix_max_nodes: int = Field(16, ge=1, le=MAX_TREE_NODES)
 
-    # Pipelined speculation (orchestrator.drafting.lookahead): while the verifier checks a
+    # Pipelined speculation (orchestrator.drafting.model): while the verifier checks a
     # block, the drafter already drafts the next one from the prefix that full acceptance would
     # give. Sequence methods only (token, block, ersd without a tree; rd when K = k_max). A
     # request may override it (GenerationRequest.pipeline). On by default: drafter and verifier
@@ -82,7 +82,7 @@ class OrchestratorConfig(BaseSettings):
     # Pipelined token/ersd: a pre-drafted block keeps growing until the verifier answers, up to
     # this many tokens (0 = pre-drafts have the draft length k). A fresh draft (after a rejection)
     # still has length k. Block and rd ignore it (growth would not be exact for them: methods'
-    # `adaptive_length`, orchestrator.drafting.lookahead). Request override: GenerationRequest.pipeline_max_k.
+    # `adaptive_length`, orchestrator.drafting.model). Request override: GenerationRequest.pipeline_max_k.
     pipeline_max_k: int = Field(0, ge=0)
     # Pipelined look-ahead guesses (one drafter call drafts after each; the verifier's answer
     # picks at most one): the likeliest bonus tokens after the block, and the likeliest
@@ -100,7 +100,7 @@ class OrchestratorConfig(BaseSettings):
     # pair say is fastest, re-picked as they run; default_k is where it starts. Sequence methods
     # (token, block, ersd without a tree). Seeded requests keep default_k so they replay exactly.
     adaptive_k: bool = True
-    # Pre-drafted only (orchestrator.drafting.lookahead, pre-drafted only): an adaptive pipelined request
+    # Pre-drafted only (orchestrator.drafting.model, pre-drafted only): an adaptive pipelined request
     # verifies a draft only when its look-ahead's pre-draft came true; otherwise the iteration is a
     # target-only step while the drafter looks ahead from the new prefix, so no iteration waits for
     # a fresh draft (on the default int8 pair one costs ~1.7 target steps; bench/RESULTS.md). False:

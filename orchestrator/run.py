@@ -54,13 +54,13 @@ class RunSettings:
     seed: int
     rank_acceptance: tuple[float, ...]
     pipeline: bool = False
-    pipeline_max_k: int = 0  # > 0: pre-drafts grow where the method allows it (drafting.lookahead)
-    bonus_guesses: int | None = None  # None: automatic by block length (drafting.lookahead)
+    pipeline_max_k: int = 0  # > 0: pre-drafts grow where the method allows it (drafting.model)
+    bonus_guesses: int | None = None  # None: automatic by block length (drafting.model)
     rejection_guesses: int = 0
     adaptive: bool = False  # k is re-picked every iteration (orchestrator.adaptation)
     chat: bool = False  # the prompt came from a chat template (GenerationRequest.messages)
     owner: str = ANONYMOUS  # the identity the request's record is bound to (RequestRecord.owner)
-    draft_source: str = DraftSource.MODEL  # where drafts come from (orchestrator.drafting.SOURCES)
+    draft_source: str = DraftSource.MODEL  # where drafts come from (orchestrator.drafting.PROPOSERS)
     seeded: bool = False  # the request named its seed: its random streams may be shared with other requests
     cache_salt: str = ""  # with `owner`, the engines' prefix-cache partition (GenerationRequest.cache_salt)
 

@@ -1,8 +1,10 @@
 """The orchestrator: a request in, its chunks out.
 
 It admits the request (admission.RequestSlots), checks it (request_checks), makes its run (run.py)
-and its drafting strategy (orchestrator.drafting), and loops: plan → draft → verify → absorb →
-account, one iteration at a time. The engines' info, availability and health are the EngineLink's
+and its proposer (orchestrator.drafting), and loops: plan → draft → verify → settle, one iteration
+at a time. The loop is the one writer of the run's state (RunState): output.absorb and
+accounting.account return what an iteration adds, proposers put their counts in the iteration's
+Step, and the loop applies them. The engines' info, availability and health are the EngineLink's
 (engine_link.py); calls to them follow the session protocol (sessions.py). Every iteration's
 progress is saved before its chunk is yielded, so a request whose client or orchestrator goes away
 can be resumed (docs/reliability.md).
@@ -19,27 +21,33 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from orchestrator import scheduling
-from orchestrator.accounting import CALIBRATION_FLUSH_ITERATIONS, account, flush_calibration
+from orchestrator.accounting import CALIBRATION_FLUSH_ITERATIONS, Tally, account, flush_calibration
 from orchestrator.adaptation import PairEstimates, SourceEstimates
 from orchestrator.admission import CallerLimit, RequestSlots, paced
 from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import OrchestratorConfig
-from orchestrator.drafting import DraftingContext, strategy_for
-from orchestrator.drafting.base import Draft, DraftingStrategy, Plan, Step, target_only_draft
+from orchestrator.drafting import DraftingContext, proposer_for
+from orchestrator.drafting.base import Draft, Plan, Proposer, Step, target_only_draft
 from orchestrator.engine_link import EngineLink
 from orchestrator.failover import DrafterDown
 from orchestrator.health import Dependencies
-from orchestrator.output import PARTIAL, absorb, context_full, text_delta
+from orchestrator.output import PARTIAL, Absorbed, absorb, context_full, text_delta
 from orchestrator.probes import IterationProbe, LoopObserver, RequestProbe
 from orchestrator.request_checks import check_prompt, check_request, check_request_id
-from orchestrator.run import Run, new_run
+from orchestrator.run import Run, RunState, new_run
 from orchestrator.sessions import RunSessions
 from orchestrator.store import RequestRecord, Store, StoreOutage, open_store
 from orchestrator.timeline import Timeline
 from specdec.engine.api import ModelInfo, TextCursor
 from specdec.errors import AlreadyExists, InvalidRequest, NotFound, StillRunning, StoreUnavailable
-from specdec.generation import GenerationChunk, GenerationRequest, GenerationResult, IterationRecord
-from specdec.methods import get_method
+from specdec.generation import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    IterationRecord,
+)
+from specdec.methods import AUTOREGRESSIVE, get_method
 from specdec.model_free import SuffixCaches
 from specdec.rpc.security import ANONYMOUS
 
@@ -334,7 +342,7 @@ class Orchestrator:
         sessions = RunSessions(run, self.drafter, self.verifier, draft_rows=self.config.draft_rows,
                                watch=self.link)
         method = run.settings.method
-        drafting = strategy_for(run, DraftingContext(
+        proposer = proposer_for(run, DraftingContext(
             self.config, lambda: self._pair_estimates(method), has_drafter=self.drafter is not None,
             suffix_cache=self.suffix_caches.of(run.settings.cache_partition),
             source_estimates=self.source_estimates))
@@ -347,17 +355,17 @@ class Orchestrator:
             if context_full(run, self.link.max_context()):  # e.g. a resumed request that filled the window
                 state.finish_reason = "length"
                 await self._save_through(run, True, outage)
-                yield GenerationChunk([], text_delta(run, True), run.result())
+                yield GenerationChunk([], _stream_text(run, True), run.result())
                 return
             while True:
-                await self._iteration(run, sessions, drafting)
+                await self._iteration(run, sessions, proposer)
                 state.stats.seconds = seconds_before + time.perf_counter() - state.perf0
                 final = run.finished
                 if not await self._save_through(run, final, outage):
                     continue  # the store is down: generate on; the chunk waits for a save that succeeds
                 if state.stats.iterations % CALIBRATION_FLUSH_ITERATIONS == 0:
-                    await flush_calibration(state.calibration, self.store, self.pair_key)
-                yield GenerationChunk(state.generated[sent:], text_delta(run, final),
+                    await flush_calibration(_take_calibration(state), self.store, self.pair_key)
+                yield GenerationChunk(state.generated[sent:], _stream_text(run, final),
                                       run.result() if final else None)
                 sent = len(state.generated)
                 if final:
@@ -374,48 +382,49 @@ class Orchestrator:
             raise
         finally:
             try:
-                drafting.close(run.committed)
+                proposer.close(run.committed)
             except Exception:  # the suffix cache is an optimisation: never fail a request for it
-                log.exception("drafting strategy failed to close for request %s", run.request_id)
+                log.exception("proposer failed to close for request %s", run.request_id)
             await sessions.close()
             if not outage.active:  # else the counts are dropped, as in any outage, without a wait
-                await flush_calibration(state.calibration, self.store, self.pair_key)
+                await flush_calibration(_take_calibration(state), self.store, self.pair_key)
             if run.probe is not None:
                 _observe_end(run, run.probe, error)
 
-    async def _iteration(self, run: Run, sessions: RunSessions, drafting: DraftingStrategy) -> None:
+    async def _iteration(self, run: Run, sessions: RunSessions, proposer: Proposer) -> None:
         started = time.perf_counter()
         if run.probe is None:
-            await self._iterate(run, sessions, drafting, None, started)
+            await self._iterate(run, sessions, proposer, None, started)
             return
         with run.probe.iteration(run.state.stats.iterations, started) as probe:  # its span is current inside
-            await self._iterate(run, sessions, drafting, probe, started)
+            await self._iterate(run, sessions, proposer, probe, started)
 
-    async def _iterate(self, run: Run, sessions: RunSessions, drafting: DraftingStrategy,
+    async def _iterate(self, run: Run, sessions: RunSessions, proposer: Proposer,
                        probe: IterationProbe | None, started: float) -> None:
-        """One iteration: plan → draft → verify → absorb → account."""
+        """One iteration: plan → draft → verify → settle."""
         await self.link.ensure_serving()  # a verifier lost or changed under the run fails it (UNAVAILABLE)
-        committed = run.committed
-        record = IterationRecord(request_id=run.request_id, index=run.state.stats.iterations,
-                                 position=len(committed), method=run.settings.method, a=run.settings.a)
-        step = Step(run, sessions, committed, Timeline(probe), record, self.link.depth_cap,
-                    self.link.drafter_lost)
-        draft = await self._draft(drafting, step, drafting.plan(step))
-        outcome = await drafting.verify(step, draft)
+        link = self.link
+        step = Step(run, sessions, run.committed, Timeline(probe), link.depth_cap, link.drafter_lost)
+        draft = await self._draft(proposer, step, proposer.plan(step))
+        outcome = await proposer.verify(step, draft)
         if not outcome.tokens:
             raise RuntimeError("verifier emitted no token")
-        emitted = await absorb(run, outcome, decode=self.verifier.decode, max_context=self.link.max_context())
-        account(run, record, tree=draft.tree, outcome=outcome, emitted=emitted, started=started,
-                timeline=step.timeline, source=draft.source)
-        drafting.settle(step, draft, outcome)
-        self._report(record, probe, draft.tree.max_depth)
+        absorbed = await absorb(run, outcome, decode=self.verifier.decode, max_context=link.max_context())
+        _take_output(run.state, absorbed)
+        tally = account(run, position=step.position, tree=draft.tree, outcome=outcome, emitted=absorbed.kept,
+                        method=AUTOREGRESSIVE if draft.target_only else run.settings.method,
+                        k=draft.plan.k if draft.plan is not None else 0, heads=draft.heads,
+                        fallback=draft.fallback, source=draft.source, started=started, timeline=step.timeline)
+        proposer.settle(step, draft, outcome, tally.record)
+        _take_counts(run.state, tally, step.counts)
+        self._report(tally.record, probe, draft.tree.max_depth)
 
-    async def _draft(self, drafting: DraftingStrategy, step: Step, plan: Plan | None) -> Draft:
+    async def _draft(self, proposer: Proposer, step: Step, plan: Plan | None) -> Draft:
         """The plan's draft; a target-only step when the plan has none, or when the drafter is away
         or lost meanwhile (nothing was verified: the attempt is dropped, IterationRecord.fallback)."""
         if plan is not None and (not plan.needs_drafter or await self.link.drafter_ready()):
             try:
-                return await drafting.draft(step, plan)
+                return await proposer.draft(step, plan)
             except DrafterDown as exc:
                 self.link.drafter_lost(exc.cause)
         return target_only_draft(step, fallback=plan is not None)
@@ -510,3 +519,32 @@ async def _last_result(stream: AsyncIterator[GenerationChunk]) -> GenerationResu
     if result is None:
         raise RuntimeError("generation stream ended without a result")
     return result
+
+
+# the one writer of RunState: what an iteration returned, applied ----------------------------------
+def _take_output(state: RunState, absorbed: Absorbed) -> None:
+    state.generated.extend(absorbed.kept)
+    state.text, state.text_tail, state.text_cursor = absorbed.text, absorbed.text_tail, absorbed.text_cursor
+    if absorbed.finish_reason is not None:
+        state.finish_reason = absorbed.finish_reason
+
+
+def _take_counts(state: RunState, tally: Tally, proposers: GenerationStats) -> None:
+    state.stats.add(tally.stats)
+    state.stats.add(proposers)
+    state.stats.new_tokens = len(state.generated)
+    state.calibration.update(tally.calibration)
+    state.iterations.append(tally.record)
+
+
+def _take_calibration(state: RunState) -> dict[str, int]:
+    """The acceptance counts not yet in the store, taken out of the state."""
+    counts = dict(state.calibration)
+    state.calibration.clear()
+    return counts
+
+
+def _stream_text(run: Run, final: bool) -> str:
+    """The chunk's text (output.text_delta), counted as sent."""
+    delta, run.state.text_sent = text_delta(run, final)
+    return delta

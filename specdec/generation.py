@@ -118,6 +118,25 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
+    def add(self, other: GenerationStats) -> None:
+        """Add `other`'s counts to these: numbers summed, per-position and per-rank lists summed
+        element by element, per-source counts by source. How the loop takes in an iteration's
+        counts, which accounting and the drafting strategies return rather than write."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "sources":
+                for name, counts in theirs.items():
+                    into = mine.setdefault(name, SourceStats())
+                    for c in fields(SourceStats):
+                        setattr(into, c.name, getattr(into, c.name) + getattr(counts, c.name))
+            elif isinstance(mine, list):
+                if len(mine) < len(theirs):
+                    mine.extend([0] * (len(theirs) - len(mine)))
+                for i, count in enumerate(theirs):
+                    mine[i] += count
+            else:
+                setattr(self, f.name, mine + theirs)
+
 
 def stats_values(stats: Any) -> dict[str, Any]:
     """The stored fields of a GenerationStats as plain values, read by name off `stats`.

@@ -17,7 +17,7 @@ Glossary (the words the records use):
                     position's exponential race under Q (docs/algorithms.md §4).
   draft shape       "sequence": a path of k tokens; "tree": a tree within a node budget.
   pipelinable       a sequence block can be pre-drafted while the verifier checks the one before
-                    (orchestrator.drafting.lookahead; exact by construction, docs/algorithms.md §8).
+                    (orchestrator.drafting.model; exact by construction, docs/algorithms.md §8).
   adaptive length   a pipelined pre-draft may keep growing, one token per drafter call, until the
                     verifier answers (`pipeline_max_k`). Exact only when the rule's decision at
                     position i reads the drafts up to i alone (token; ERSD's races): a grown
@@ -73,6 +73,7 @@ DraftShape = Literal["sequence", "tree"]
 # The method a target-only step runs: race sampling keyed on (seed, position), so a seeded
 # autoregressive run and a seeded ERSD run emit the same tokens (docs/algorithms.md §4).
 TARGET_ONLY_VERIFICATION = "ersd"
+AUTOREGRESSIVE = "autoregressive"  # the target-only method (what an IterationRecord of such a step names)
 # The exact rule for a model-free tree or sequence under token, block and gsd-tree (glossary).
 DRAW_AND_DESCEND = "specdec.verification.deterministic:verify_deterministic"
 
@@ -230,7 +231,7 @@ METHODS: dict[str, Method] = {
             pipelinable=True, empty_draft_needs_rows=True, lean_rows=True,
         ),
         Method(
-            name="autoregressive",
+            name=AUTOREGRESSIVE,
             summary="target only (race sampling keyed on (seed, position)): the baseline",
             rule=None,
         ),

@@ -120,7 +120,7 @@ TYPE_LEVEL_IMPORT = ("from typing import TYPE_CHECKING\n\n"
 @pytest.mark.parametrize("module, violation", [
     ("sessions.py", "from orchestrator import speculation\n"),  # a session calling back up into the loop
     ("run.py", TYPE_LEVEL_IMPORT),  # a run typed by a strategy: a circle hidden behind TYPE_CHECKING
-    ("drafting/lookahead.py", "from orchestrator import engine_link\n"),  # siblings stay independent
+    ("drafting/model.py", "from orchestrator import engine_link\n"),  # siblings stay independent
 ])
 def test_the_orchestrator_contract_catches_an_upward_or_type_level_import(
     tmp_path: Path, module: str, violation: str

@@ -1,17 +1,18 @@
-"""What every drafting strategy shares: the iteration it works in (Step), what it plans and
-drafts (Plan, Draft), the Protocol the loop calls, and the target-only step.
+"""What every draft source shares: the iteration it works in (Step), what it plans and drafts (Plan,
+Draft), the one Protocol the loop and the hybrid's chooser call (Proposer), and the target-only step.
 
-A strategy decides what an iteration drafts and how; it never decides what is accepted. Every
+A proposer decides what an iteration drafts and how; it never decides what is accepted. Every
 choice it makes is fixed from the committed prefix and the drafter's own streams before the
-target's pass reads the draft, which is why any strategy keeps the output's law
-(docs/algorithms.md §8).
+target's pass reads the draft, which is why any proposer keeps the output's law
+(docs/algorithms.md §8). It writes nothing of the run's state: what it adds to the run's statistics
+goes in the iteration's Step.counts, which the loop takes in.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -21,24 +22,31 @@ from orchestrator.sessions import ParkedRows, RunSessions
 from orchestrator.timeline import Timeline
 from specdec.defaults import DraftSource
 from specdec.engine.api import VerifyOutcome
-from specdec.generation import IterationRecord
+from specdec.generation import GenerationStats, IterationRecord
 from specdec.methods import TARGET_ONLY_VERIFICATION
+from specdec.model_free import Proposal
 from specdec.trees import DraftTree
 from specdec.verification.base import MethodParams
 
 
 @dataclass
 class Step:
-    """One iteration: what a strategy reads (the run, its sessions, the committed prefix) and the
-    record it fills."""
+    """One iteration: what a proposer reads (the run, its sessions, the committed prefix), and what it
+    decides in plan() and reads back later in the same iteration. Those decisions live here, never on
+    the long-lived proposer, so no flag outlives its iteration."""
 
     run: Run
     sessions: RunSessions
     committed: list[int]
     timeline: Timeline
-    record: IterationRecord
     depth_cap: Callable[[int], int]  # the deepest draft that fits every context window at a position
     drafter_lost: Callable[[Exception], None]  # a lost drafter, reported to the engine link
+    proposal: Proposal | None = None  # model-free: the proposal planned, not yet drafted
+    turn: str = ""  # hybrid: the source whose plan this is ("": a target-only step without the model)
+    predicted: float = 0.0  # hybrid: the chosen model-free proposal's expected accepted tokens
+    steady: bool = True  # hybrid: the engines take in at most STEADY_CATCH_UP tokens before the pass
+    drafter_steady: bool = True  # sequence drafts: the same, the drafter's catch-up included
+    counts: GenerationStats = field(default_factory=GenerationStats)  # pre-draft counts, for the loop
 
     @property
     def position(self) -> int:
@@ -79,10 +87,14 @@ class Draft:
     fallback: bool = False  # target-only because the drafter was away or lost (IterationRecord.fallback)
     source: str = DraftSource.MODEL  # where the draft came from (IterationRecord.source)
     deterministic: bool = False  # model-free: q one-hot at every node, no rows (VerifyRequest.deterministic)
+    heads: int | None = None  # RD: the leading heads K its coins gave (IterationRecord.heads)
 
 
-class DraftingStrategy(Protocol):
-    """How a run drafts: one object per way of drafting (orchestrator.drafting.STRATEGIES)."""
+class Proposer(Protocol):
+    """One draft source, as the loop and the hybrid's chooser see it: the draft model, a model-free
+    source, or a chooser over them (orchestrator.drafting.PROPOSERS builds one per run by name)."""
+
+    source: str  # the DraftSource it drafts from (IterationRecord.source)
 
     def plan(self, step: Step) -> Plan | None:
         """What to draft at this prefix; None for a target-only step."""
@@ -93,11 +105,16 @@ class DraftingStrategy(Protocol):
         ...
 
     async def verify(self, step: Step, draft: Draft) -> VerifyOutcome:
-        """One target pass over the draft (a strategy may work beside it: the look-ahead)."""
+        """One target pass over the draft (a proposer may work beside it: the look-ahead)."""
         ...
 
-    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None:
-        """React to the verifier's outcome, once the loop has absorbed and accounted it."""
+    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome, record: IterationRecord) -> None:
+        """Learn from the iteration (its record, built by the loop): the proposer's own estimates only."""
+        ...
+
+    def expected_rate(self) -> float:
+        """Expected tokens per second at the proposer's best choice (nan: it keeps no estimate); what
+        a chooser compares against a target-only step."""
         ...
 
     def close(self, committed: list[int]) -> None:
@@ -105,20 +122,21 @@ class DraftingStrategy(Protocol):
         ...
 
 
-class Drafting:
-    """The defaults: verify the draft in one target pass, learn nothing from it."""
+class ProposerBase:
+    """The defaults: verify the draft in one target pass, learn nothing from it, keep no estimate."""
+
+    source: str = DraftSource.MODEL
 
     async def verify(self, step: Step, draft: Draft) -> VerifyOutcome:
         return await verify_draft(step, draft)
 
-    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None:
+    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome, record: IterationRecord) -> None:
         return None
 
     def close(self, committed: list[int]) -> None:
         return None
 
     def expected_rate(self) -> float:
-        """Expected tokens per second at the strategy's best choice (nan: it keeps no estimate)."""
         return math.nan
 
 
@@ -137,18 +155,5 @@ def target_only_draft(step: Step, *, plan: Plan | None = None, fallback: bool = 
     """A target-only step: one token from the target alone, by race sampling keyed on (seed,
     position), so a seeded ERSD run and a seeded target-only run emit the same token
     (docs/algorithms.md §4). A step beside a look-ahead keeps the k its plan asked for."""
-    record = step.record
-    record.method, record.heads, record.fallback = "autoregressive", None, fallback
-    record.k = plan.k if plan is not None else 0
     return Draft(DraftTree.empty(), None, TARGET_ONLY_VERIFICATION, step.params(), plan=plan,
                  target_only=True, fallback=fallback)
-
-
-class TargetOnly(Drafting):
-    """Target-only decoding (method "autoregressive"): never drafts."""
-
-    def plan(self, step: Step) -> Plan | None:
-        return None
-
-    async def draft(self, step: Step, plan: Plan) -> Draft:
-        raise AssertionError("a target-only run plans no draft")

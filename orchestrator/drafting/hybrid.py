@@ -1,16 +1,17 @@
-"""The hybrid source, the default of `up`: each iteration verifies a model-free draft when it promises
-more tokens per second than the draft model's best choice (which may itself be a target-only step),
-else it does what the model strategy plans. With no draft model: model-free or target-only.
+"""The hybrid source, the default of `up`: a chooser over proposers. Each iteration verifies the
+model-free proposal that promises the most tokens per second when that beats the draft model's best
+choice (which may itself be a target-only step), else it does what the model proposer plans. With no
+draft model: model-free or target-only.
 
 The choice reads the proposal (its tokens and their estimated probabilities), the measured worth of
 each model-free source (accepted ÷ predicted tokens: the request's own record, shrunk towards the
 orchestrator's record for requests of its kind, greedy or sampled, adaptation.request_calibration),
-the wall time by verified positions (adaptation.SourceEstimates) and the model strategy's own estimate
-(its online draft length, adaptation.DraftLength). It is made from the committed prefix and finished
-iterations only, before the target's pass reads the draft, so it keeps the output's law like any
-draft length does (docs/algorithms.md §8, §15). A seeded request asks for replay, so its choice
-reads no timings and no other request: the request's own n-grams (lookup) when they promise at
-least SEEDED_MIN_EXPECTED tokens, else the model.
+the wall time by verified positions (adaptation.SourceEstimates) and the model proposer's own
+estimate (Proposer.expected_rate: its online draft length, adaptation.DraftLength). It is made from
+the committed prefix and finished iterations only, before the target's pass reads the draft, so it
+keeps the output's law like any draft length does (docs/algorithms.md §8, §15). A seeded request
+asks for replay, so its choice reads no timings and no other request: the request's own n-grams
+(lookup) when they promise at least SEEDED_MIN_EXPECTED tokens, else the model.
 
 Taking the model back costs something: after model-free turns (or at a request's start) the drafter
 must first take in every committed token it has not seen. A timed request lets the model draft
@@ -21,6 +22,7 @@ again only when its expected saving over the rest of the request pays for that c
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from orchestrator.adaptation import (
     PRIOR_SLOPE,
@@ -31,20 +33,25 @@ from orchestrator.adaptation import (
     model_share,
     request_calibration,
 )
-from orchestrator.drafting.base import Draft, Drafting, DraftingStrategy, Plan, Step, verify_draft
-from orchestrator.drafting.model_free import ModelFreeDrafts
+from orchestrator.drafting.base import Draft, Plan, Proposer, ProposerBase, Step, verify_draft
+from orchestrator.drafting.model_free import ModelFreeProposer
+from specdec.defaults import DraftSource
 from specdec.engine.api import VerifyOutcome
+from specdec.generation import IterationRecord
 from specdec.model_free import Proposal
 
 SEEDED_MIN_EXPECTED = 1.0  # expected accepted tokens a seeded request's lookup draft must promise
 
 
-class HybridDrafts(Drafting):
-    """Model-free, model or target-only, per iteration (module docstring)."""
+class HybridChooser(ProposerBase):
+    """Per iteration, one of the model-free proposers, the model proposer, or a target-only step
+    (module docstring). What it chose lives in the iteration's Step (turn, predicted, steady)."""
 
-    def __init__(self, free: ModelFreeDrafts, model: DraftingStrategy | None, estimates: SourceEstimates, *,
-                 timed: bool, sampled: bool = False) -> None:
-        self.free = free
+    source = DraftSource.HYBRID
+
+    def __init__(self, free: Sequence[ModelFreeProposer], model: Proposer | None, estimates: SourceEstimates,
+                 *, timed: bool, sampled: bool = False) -> None:
+        self.free = {proposer.source: proposer for proposer in free}
         self.model = model
         self.estimates = estimates
         self.timed = timed  # False: a seeded request (no timings in the choice)
@@ -52,27 +59,32 @@ class HybridDrafts(Drafting):
         self.kind = "sampled" if sampled else "greedy"
         self.own_predicted: dict[str, float] = {}  # this request's model-free drafts, by source
         self.own_accepted: dict[str, float] = {}
-        self._free_turn = False  # this iteration's plan came from the model-free source
-        self._model_turn = False  # this iteration's plan came from the model strategy
         self._tokens = 0  # tokens this request emitted so far, and those of iterations without a
         self._model_side_tokens = 0  # model-free draft (model_share)
-        self._predicted = 0.0  # the proposal's own expected accepted tokens
-        self._steady = True
 
     def plan(self, step: Step) -> Plan | None:
-        proposal = self.free.propose(step)
         model_may = self.model is not None and self.model_pays(step)
-        chosen = self.choose(proposal, beside_model=model_may) if proposal is not None else None
-        if proposal is not None and chosen is None:
-            self.forget(proposal.source)
-        self._free_turn = chosen is not None
-        self._model_turn = model_may and chosen is None
-        self._steady = step.sessions.lag(step.committed, drafting=False) <= STEADY_CATCH_UP
-        if chosen is not None:
-            self._predicted = chosen.expected_accepted()
-            return self.free.plan_for(step, chosen)
-        self.free.plan_for(step, None)
-        return self.model.plan(step) if self._model_turn else None
+        best: tuple[ModelFreeProposer, Proposal] | None = None
+        best_rate = -math.inf
+        for proposer in self.free.values():
+            proposal = proposer.offer(step)
+            if proposal is None:
+                continue
+            cut, rate = self.best_cut(proposal, beside_model=model_may)
+            if cut is None:
+                self.forget(proposal.source)
+            elif rate > best_rate:
+                best, best_rate = (proposer, cut), rate
+        step.steady = step.sessions.lag(step.committed, drafting=False) <= STEADY_CATCH_UP
+        if best is not None:
+            proposer, cut = best
+            step.turn, step.predicted = proposer.source, cut.expected_accepted()
+            return proposer.plan_for(step, cut)
+        if not model_may:
+            return None
+        assert self.model is not None
+        step.turn = DraftSource.MODEL
+        return self.model.plan(step)
 
     def model_pays(self, step: Step) -> bool:
         """Whether the draft model may plan this iteration: always when it has (almost) every committed
@@ -87,11 +99,17 @@ class HybridDrafts(Drafting):
 
     def choose(self, proposal: Proposal, *, beside_model: bool = True) -> Proposal | None:
         """The proposal's best cut when it promises more tokens per second than the alternatives (a
-        target-only step, and the model's best choice when `beside_model`), else None. The cut keeps
-        the m likeliest nodes (by path probability, so parents stay), with m maximising
-        (1 + c_s·Σ path probabilities) / W(m + 1)."""
+        target-only step, and the model's best choice when `beside_model`), else None."""
+        return self.best_cut(proposal, beside_model=beside_model)[0]
+
+    def best_cut(self, proposal: Proposal, *, beside_model: bool = True) -> tuple[Proposal | None, float]:
+        """choose's cut and its expected tokens per second. The cut keeps the m likeliest nodes (by
+        path probability, so parents stay), with m maximising (1 + c_s·Σ path probabilities) / W(m + 1).
+        Untimed (a seeded request): the whole proposal when it promises SEEDED_MIN_EXPECTED tokens,
+        rated by that promise."""
         if not self.timed:
-            return proposal if proposal.expected_accepted() >= SEEDED_MIN_EXPECTED else None
+            promise = proposal.expected_accepted()
+            return (proposal, promise) if promise >= SEEDED_MIN_EXPECTED else (None, promise)
         est = self.estimates
         calibration = self.calibration(proposal.source)
         step_seconds = est.iteration_seconds(1)
@@ -109,8 +127,8 @@ class HybridDrafts(Drafting):
         if measured and math.isfinite(model_rate):
             other = max(other, model_rate)
         if best_rate <= other:
-            return None
-        return proposal.truncated(best_m)
+            return None, best_rate
+        return proposal.truncated(best_m), best_rate
 
     def calibration(self, source: str) -> float:
         """c_s for this request: its own record shrunk towards the orchestrator's for its kind."""
@@ -128,46 +146,51 @@ class HybridDrafts(Drafting):
         return f"{source}:{self.kind}"
 
     def model_rate(self) -> float:
-        """The model strategy's expected tokens per second at its best draft length (nan: unknown)."""
-        return self.model.expected_rate() if isinstance(self.model, Drafting) else math.nan
+        """The model proposer's expected tokens per second at its best choice (nan: unknown)."""
+        return self.model.expected_rate() if self.model is not None else math.nan
 
     async def draft(self, step: Step, plan: Plan) -> Draft:
-        if self._free_turn:
-            return await self.free.draft(step, plan)
-        assert self.model is not None
-        return await self.model.draft(step, plan)
+        return await self._planner(step).draft(step, plan)
 
     async def verify(self, step: Step, draft: Draft) -> VerifyOutcome:
-        if not self._model_turn:
+        if step.turn != DraftSource.MODEL:
             return await verify_draft(step, draft)
         assert self.model is not None
         return await self.model.verify(step, draft)
 
-    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None:
-        record = step.record
+    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome, record: IterationRecord) -> None:
+        free_turn, model_turn = step.turn in self.free, step.turn == DraftSource.MODEL
         emitted = len(record.emitted)
         self._tokens += emitted
-        self._model_side_tokens += 0 if self._free_turn else emitted
+        self._model_side_tokens += 0 if free_turn else emitted
         if self.timed:
-            self.estimates.observe_tokens(model_side=0 if self._free_turn else emitted, tokens=emitted)
-        alone = not self._model_turn or (draft.target_only and not _beside_look_ahead(draft))
+            self.estimates.observe_tokens(model_side=0 if free_turn else emitted, tokens=emitted)
+        alone = not model_turn or (draft.target_only and not _beside_look_ahead(draft))
         if alone and not draft.fallback:  # an iteration without the draft model: what W(n) measures
-            source = draft.source if self._free_turn else None
-            self.estimates.observe(self._key(source) if source else None, predicted=self._predicted,
+            source = draft.source if free_turn else None
+            self.estimates.observe(self._key(source) if source else None, predicted=step.predicted,
                                    accepted=record.accepted, positions=record.num_drafted + 1,
-                                   wall_seconds=record.end - record.start, steady=self._steady,
+                                   wall_seconds=record.end - record.start, steady=step.steady,
                                    pass_calls=outcome.pass_calls, pass_rows=outcome.pass_rows)
             if source:
-                self.own_predicted[source] = self.own_predicted.get(source, 0.0) + self._predicted
+                self.own_predicted[source] = self.own_predicted.get(source, 0.0) + step.predicted
                 self.own_accepted[source] = self.own_accepted.get(source, 0.0) + record.accepted
-        if self._model_turn:
+        if model_turn:
             assert self.model is not None
-            self.model.settle(step, draft, outcome)
+            self.model.settle(step, draft, outcome, record)
 
     def close(self, committed: list[int]) -> None:
-        self.free.close(committed)
+        for proposer in self.free.values():
+            proposer.close(committed)
         if self.model is not None:
             self.model.close(committed)
+
+    def _planner(self, step: Step) -> Proposer:
+        """The proposer whose plan the step carries."""
+        if step.turn == DraftSource.MODEL:
+            assert self.model is not None
+            return self.model
+        return self.free[step.turn]
 
 
 def _beside_look_ahead(draft: Draft) -> bool:

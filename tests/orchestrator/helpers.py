@@ -45,21 +45,18 @@ class _NoLag:
 
 
 def plan_of(run: Run, position: int, depth_cap: int, config: OrchestratorConfig | None = None):
-    """The plan the run's drafting strategy makes for an iteration starting at `position` where
+    """The plan the run's proposer makes for an iteration starting at `position` where
     drafts of at most `depth_cap` tokens fit (no engine involved)."""
     from orchestrator.adaptation import PairEstimates
-    from orchestrator.drafting import DraftingContext, strategy_for
+    from orchestrator.drafting import DraftingContext, proposer_for
     from orchestrator.drafting.base import Step
     from orchestrator.timeline import Timeline
-    from specdec.generation import IterationRecord
 
-    strategy = strategy_for(run, DraftingContext(config or OrchestratorConfig(), PairEstimates))
+    proposer = proposer_for(run, DraftingContext(config or OrchestratorConfig(), PairEstimates))
     committed = list(range(position))
-    record = IterationRecord(request_id=run.request_id, index=0, position=position,
-                             method=run.settings.method)
-    step = Step(run, _NoLag(), committed, Timeline(), record, lambda at: depth_cap - (at - position),
+    step = Step(run, _NoLag(), committed, Timeline(), lambda at: depth_cap - (at - position),  # type: ignore[arg-type]
                 lambda exc: None)
-    return strategy.plan(step)
+    return proposer.plan(step)
 
 
 def slowed_model(path: Path, seconds: float) -> LoadedModel:

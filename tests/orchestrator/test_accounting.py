@@ -10,7 +10,7 @@ from orchestrator.accounting import account, bump, bump_at, count_calibration
 from orchestrator.run import stats_dict
 from orchestrator.timeline import Timeline
 from specdec.engine.api import VerifyOutcome
-from specdec.generation import GenerationStats, IterationRecord
+from specdec.generation import GenerationStats, SourceStats
 from specdec.trees import DraftTree
 from tests.orchestrator.helpers import make_run
 
@@ -39,31 +39,49 @@ def test_rank_statistics_follow_the_accepted_path():
     assert not any(key.startswith("gsd-tree:rank_hits") for key in rejected)
 
 
-def test_account_fills_the_record_and_the_statistics():
+def test_account_returns_the_record_and_what_the_iteration_adds():
     run = make_run(method="token", k=3)
     run.state.generated = [4, 4]
     timeline = Timeline()
     timeline.draft.append((run.state.perf0 + 0.1, run.state.perf0 + 0.3))
     timeline.verify.append((run.state.perf0 + 0.2, run.state.perf0 + 0.5))
-    record = IterationRecord(request_id=run.request_id, index=0, position=3, method="token", k=3)
     outcome = VerifyOutcome(tokens=[4, 4], accepted_nodes=[0], accept_flags=[True, False], num_drafted=3,
                             committed_len=5)
-    account(run, record, tree=DraftTree.sequence([4, 1, 2]), outcome=outcome, emitted=[4, 4],
-            started=run.state.perf0, timeline=timeline)
+    tally = account(run, position=3, tree=DraftTree.sequence([4, 1, 2]), method="token", k=3, heads=None,
+                    fallback=False, source="model", outcome=outcome, emitted=[4, 4], started=run.state.perf0,
+                    timeline=timeline)
+    record = tally.record
+    assert (record.index, record.position, record.method, record.k) == (0, 3, "token", 3)
     assert (record.drafted, record.num_drafted, record.accepted, record.emitted) == (True, 3, 1, [4, 4])
+    assert record.source == "model" and record.a == run.settings.a
     assert abs(record.overlap_seconds - 0.1) < 1e-9 and record.start == run.state.epoch0 <= record.end
     assert record.draft_intervals == [(run.epoch(run.state.perf0 + 0.1), run.epoch(run.state.perf0 + 0.3))]
-    stats = run.state.stats
-    assert (stats.iterations, stats.new_tokens, stats.drafted_tokens, stats.accepted_tokens) == (1, 2, 3, 1)
+    stats = tally.stats
+    assert (stats.iterations, stats.drafted_tokens, stats.accepted_tokens) == (1, 3, 1)
     assert stats.drafted_per_position == [1, 1, 1] and stats.accepted_per_position == [1]
-    assert run.state.iterations == [record] and run.state.calibration["token:accepted_tokens"] == 1
+    assert stats.sources["model"].drafted_tokens == 3 and tally.calibration["token:accepted_tokens"] == 1
+    assert run.state.stats == GenerationStats() and run.state.iterations == [] and not run.state.calibration
 
-    fallback = IterationRecord(request_id=run.request_id, index=1, position=5, method="autoregressive",
-                               fallback=True)
-    account(run, fallback, tree=DraftTree.empty(), outcome=VerifyOutcome([3], [], [], 0, 6), emitted=[3],
-            started=time.perf_counter(), timeline=Timeline())
+    fallback = account(run, position=5, tree=DraftTree.empty(), method="autoregressive", k=0, heads=None,
+                       fallback=True, source="model", outcome=VerifyOutcome([3], [], [], 0, 6), emitted=[3],
+                       started=time.perf_counter(), timeline=Timeline())
+    assert fallback.record.fallback and fallback.record.source == "" and not fallback.record.drafted
+    counts = fallback.stats
+    assert (counts.iterations, counts.fallback_iterations, counts.drafted_iterations) == (1, 1, 0)
+    assert not fallback.calibration  # target-only steps are not acceptance data
+    stats.add(fallback.stats)
     assert (stats.iterations, stats.fallback_iterations, stats.drafted_iterations) == (2, 1, 1)
-    assert run.state.calibration["token:iterations"] == 1  # target-only steps are not acceptance data
+
+
+def test_stats_add_sums_every_field():
+    total = GenerationStats(iterations=2, draft_seconds=0.5, accepted_per_position=[2, 1],
+                            pre_draft_bonus_hits=[1], sources={"model": SourceStats(1, 3, 2)})
+    total.add(GenerationStats(iterations=1, draft_seconds=0.25, accepted_per_position=[1, 1, 1],
+                              pre_draft_bonus_hits=[0, 2], sources={"model": SourceStats(1, 2, 2),
+                                                                    "suffix": SourceStats(1, 4, 0)}))
+    assert (total.iterations, total.draft_seconds) == (3, 0.75)
+    assert total.accepted_per_position == [3, 2, 1] and total.pre_draft_bonus_hits == [1, 2]
+    assert total.sources == {"model": SourceStats(2, 5, 4), "suffix": SourceStats(1, 4, 0)}
 
 
 def test_stats_dict_copies_lists():

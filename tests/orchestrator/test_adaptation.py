@@ -277,7 +277,7 @@ def test_a_request_weighs_its_own_iteration_times(own_times: bool) -> None:
 
 @dataclass
 class PredraftedOnlyWorkload(Workload):
-    """Pre-drafted only (orchestrator.drafting.lookahead): at setting k ≥ 1 an iteration drafts only when the
+    """Pre-drafted only (orchestrator.drafting.model): at setting k ≥ 1 an iteration drafts only when the
     look-ahead before it came true — after a drafted iteration that accepted all k drafts and whose
     bonus token was guessed (rate `guess`), or after a step whose token was guessed (`step_guess`);
     else it is a target-only step. Either waits for the longer of the verifier's pass and the

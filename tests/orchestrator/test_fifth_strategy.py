@@ -1,4 +1,4 @@
-"""A fifth drafting strategy plugs in as one object plus one registry entry, with no edit to the loop.
+"""A fifth draft shape plugs in as one object plus one registry entry (SHAPES), with no edit to the loop.
 
 "Repeat the last token" drafts k copies of the last committed token, with no draft model at all (the
 orchestrator here has no drafter). Its drafts are deterministic, so they are exact under ERSD (a
@@ -18,8 +18,9 @@ import torch
 
 from orchestrator.clients.inprocess import InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
-from orchestrator.drafting import STRATEGIES
-from orchestrator.drafting.base import Draft, Drafting, Plan, Step
+from orchestrator.drafting import SHAPES
+from orchestrator.drafting.base import Draft, Plan, Step
+from orchestrator.drafting.shapes import ShapeBase
 from orchestrator.speculation import Orchestrator
 from specdec.engine.verifier import VerifierEngine
 from specdec.methods import METHODS, Method
@@ -35,7 +36,7 @@ SAMPLES = int(os.environ.get("SPECDEC_FIDELITY_SAMPLES", "1000"))
 VOCAB = 6
 
 
-class RepeatLast(Drafting):
+class RepeatLast(ShapeBase):
     """Drafts k copies of the last committed token; rows: "one-hot" (the truth), "uniform" (a lie)."""
 
     def __init__(self, k: int, rows: str | None) -> None:
@@ -48,7 +49,7 @@ class RepeatLast(Drafting):
             return None
         return Plan(sequence_parents(length), self.k, step.params(), needs_drafter=False)
 
-    async def draft(self, step: Step, plan: Plan) -> Draft:
+    async def draft(self, step: Step, plan: Plan, ready=None) -> Draft:
         n, last = len(plan.shape), step.committed[-1]
         rows = None
         if self.rows is not None:
@@ -56,14 +57,13 @@ class RepeatLast(Drafting):
             if self.rows == "one-hot":
                 rows[:n] = 0.0
                 rows[:n, last] = 1.0
-        step.record.k = plan.k
         tree = DraftTree((last,) * n, tuple(sequence_parents(n)))
         return Draft(tree, rows, step.settings.method, plan.params, plan=plan)
 
 
 def _register(monkeypatch, name: str, rule: str, rows: str | None) -> None:
-    """The strategy's one registry entry, and the method that drafts with it."""
-    monkeypatch.setitem(STRATEGIES, name, lambda run, context: RepeatLast(run.settings.k, rows))
+    """The shape's one registry entry, and the method that drafts with it."""
+    monkeypatch.setitem(SHAPES, name, lambda run, context: RepeatLast(run.settings.k, rows))
     token_rule = rule.endswith("verify_token")
     monkeypatch.setitem(METHODS, name, Method(
         name=name, summary="repeat the last token (test)", rule=rule, drafting=name,

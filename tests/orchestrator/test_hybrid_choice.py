@@ -17,8 +17,8 @@ from orchestrator.adaptation import (
     model_share,
     request_calibration,
 )
-from orchestrator.drafting.base import Drafting
-from orchestrator.drafting.hybrid import HybridDrafts
+from orchestrator.drafting.base import ProposerBase
+from orchestrator.drafting.hybrid import HybridChooser
 from specdec.model_free import Proposal
 
 CHAIN = Proposal(tokens=(5, 6, 7, 8, 9), parents=(-1, 0, 1, 2, 3), probs=(0.95,) * 5, match_len=6,
@@ -38,8 +38,8 @@ def _estimates(*, greedy_accepts: bool, sampled_accepts: bool) -> SourceEstimate
     return estimates
 
 
-def _hybrid(estimates: SourceEstimates, *, sampled: bool = False) -> HybridDrafts:
-    return HybridDrafts(None, None, estimates, timed=True, sampled=sampled)  # type: ignore[arg-type]
+def _hybrid(estimates: SourceEstimates, *, sampled: bool = False) -> HybridChooser:
+    return HybridChooser([], None, estimates, timed=True, sampled=sampled)
 
 
 def test_request_calibration_shrinks_towards_the_shared_value() -> None:
@@ -63,7 +63,9 @@ def test_a_good_shared_record_drafts_until_the_request_own_record_says_otherwise
 class _Proposes:
     """A model-free source that proposes CHAIN at every prefix."""
 
-    def propose(self, step):
+    source = "suffix"
+
+    def offer(self, step):
         return CHAIN
 
     def plan_for(self, step, proposal):
@@ -71,8 +73,8 @@ class _Proposes:
 
 
 def test_a_request_that_stopped_drafting_tries_again_after_refused_proposals() -> None:
-    hybrid = HybridDrafts(_Proposes(), None, _estimates(greedy_accepts=True, sampled_accepts=True),  # type: ignore[arg-type]
-                          timed=True)
+    hybrid = HybridChooser([_Proposes()], None, _estimates(greedy_accepts=True, sampled_accepts=True),  # type: ignore[list-item]
+                           timed=True)
     hybrid.own_predicted["suffix"], hybrid.own_accepted["suffix"] = 24.0, 0.0
     step = _step(lag=0, catch_up_seconds=0.0)
     plans = [hybrid.plan(step) for _ in range(30)]
@@ -132,7 +134,7 @@ class _Sessions:
         return self._catch_up
 
 
-class _Model(Drafting):
+class _Model(ProposerBase):
     """The model strategy: 8.7 tokens/s at its best; its plan is a marker."""
 
     def plan(self, step):
@@ -143,7 +145,9 @@ class _Model(Drafting):
 
 
 class _NoMatch:
-    def propose(self, step):
+    source = "suffix"
+
+    def offer(self, step):
         return None
 
     def plan_for(self, step, proposal):
@@ -153,7 +157,8 @@ class _NoMatch:
 def _step(lag: int, catch_up_seconds: float, generated: int = 0, max_new_tokens: int = 128):
     run = SimpleNamespace(state=SimpleNamespace(generated=[0] * generated))
     return SimpleNamespace(sessions=_Sessions(lag, catch_up_seconds), committed=[1] * 300, run=run,
-                           settings=SimpleNamespace(max_new_tokens=max_new_tokens))
+                           settings=SimpleNamespace(max_new_tokens=max_new_tokens), turn="", predicted=0.0,
+                           steady=True)
 
 
 def _step_estimates() -> SourceEstimates:
@@ -164,8 +169,8 @@ def _step_estimates() -> SourceEstimates:
 
 
 def test_the_hybrid_takes_the_model_back_only_when_its_catch_up_pays() -> None:
-    def hybrid(timed: bool = True) -> HybridDrafts:
-        return HybridDrafts(_NoMatch(), _Model(), _step_estimates(), timed=timed)  # type: ignore[arg-type]
+    def hybrid(timed: bool = True) -> HybridChooser:
+        return HybridChooser([_NoMatch()], _Model(), _step_estimates(), timed=timed)  # type: ignore[list-item]
 
     assert hybrid().plan(_step(lag=8, catch_up_seconds=0.1)) == "model plan"  # steady: no catch-up
     assert hybrid().plan(_step(lag=40, catch_up_seconds=0.5)) == "model plan"  # 128 × 0.025 s > 0.5 s
@@ -181,10 +186,12 @@ def test_the_hybrid_takes_the_model_back_only_when_its_catch_up_pays() -> None:
 class _ProposesEveryOther:
     """A model-free source with a proposal at every second prefix only."""
 
+    source = "suffix"
+
     def __init__(self) -> None:
         self.calls = 0
 
-    def propose(self, step):
+    def offer(self, step):
         self.calls += 1
         return CHAIN if self.calls % 2 == 0 else None
 
@@ -196,23 +203,23 @@ class _SettleCounter(_Model):
     def __init__(self) -> None:
         self.settled = 0
 
-    def settle(self, step, draft, outcome) -> None:
+    def settle(self, step, draft, outcome, record) -> None:
         self.settled += 1
 
 
 def test_a_free_turn_after_a_model_turn_is_settled_as_free() -> None:
     model = _SettleCounter()
-    hybrid = HybridDrafts(_ProposesEveryOther(), model, _estimates(greedy_accepts=True, sampled_accepts=True),  # type: ignore[arg-type]
-                          timed=True)
+    hybrid = HybridChooser([_ProposesEveryOther()], model,  # type: ignore[list-item]
+                           _estimates(greedy_accepts=True, sampled_accepts=True), timed=True)
     step = _step(lag=0, catch_up_seconds=0.0)
-    step.record = SimpleNamespace(emitted=[1, 2], accepted=1, num_drafted=1, start=0.0, end=0.1)
+    record = SimpleNamespace(emitted=[1, 2], accepted=1, num_drafted=1, start=0.0, end=0.1)
     draft = SimpleNamespace(target_only=False, fallback=False, source="suffix", plan=None)
     outcome = SimpleNamespace(pass_calls=2, pass_rows=6)
     assert hybrid.plan(step) == "model plan"
-    hybrid.settle(step, draft, outcome)  # type: ignore[arg-type]
+    hybrid.settle(step, draft, outcome, record)  # type: ignore[arg-type]
     assert model.settled == 1
     assert hybrid.plan(step) == "free plan"
-    hybrid.settle(step, draft, outcome)  # type: ignore[arg-type]
+    hybrid.settle(step, draft, outcome, record)  # type: ignore[arg-type]
     assert model.settled == 1, "the model strategy must not learn from a model-free draft"
     assert hybrid.own_accepted["suffix"] == 1
 

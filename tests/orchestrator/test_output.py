@@ -3,7 +3,8 @@ comes in pieces with each verify (specdec.runtime.detokenize, as the verifier co
 
 from __future__ import annotations
 
-from orchestrator.output import absorb, find_stop, text_delta
+from orchestrator.output import absorb, find_stop
+from orchestrator.speculation import _stream_text, _take_output
 from specdec.engine.api import VerifyOutcome
 from specdec.runtime.detokenize import detokenize
 from tests.orchestrator.helpers import make_run
@@ -34,41 +35,56 @@ async def no_decode(ids):
     raise AssertionError("the verifier sent the text: no Decode call")
 
 
+async def kept(run, verified: VerifyOutcome, *, decode=no_decode, max_context: int = 0) -> list[int]:
+    """absorb, applied to the run's state as the loop applies it: the tokens kept."""
+    absorbed = await absorb(run, verified, decode=decode, max_context=max_context)
+    _take_output(run.state, absorbed)
+    return absorbed.kept
+
+
+async def test_absorb_writes_nothing_of_the_run():
+    run = make_run(max_new_tokens=10, stop=["cd"])
+    before = (list(run.state.generated), run.state.text, run.state.text_cursor, run.state.finish_reason)
+    absorbed = await absorb(run, outcome(run, [0, 1, 2, 3]), decode=no_decode, max_context=0)
+    assert (absorbed.kept, absorbed.text, absorbed.finish_reason) == ([0, 1, 2, 3], "ab", "stop")
+    assert (run.state.generated, run.state.text, run.state.text_cursor, run.state.finish_reason) == before
+
+
 async def test_eos_and_max_new_tokens_cut_the_tokens():
     run = make_run(max_new_tokens=10)  # EOS = 5
-    assert await absorb(run, outcome(run, [1, 5, 2]), decode=no_decode, max_context=0) == [1, 5]
+    assert await kept(run, outcome(run, [1, 5, 2])) == [1, 5]
     assert run.state.finish_reason == "eos" and run.state.text == "b"  # the EOS token is no text
     run = make_run(max_new_tokens=3)
-    assert await absorb(run, outcome(run, [1, 2]), decode=no_decode, max_context=0) == [1, 2]
+    assert await kept(run, outcome(run, [1, 2])) == [1, 2]
     assert run.state.finish_reason is None
-    assert await absorb(run, outcome(run, [3, 4]), decode=no_decode, max_context=0) == [3]
+    assert await kept(run, outcome(run, [3, 4])) == [3]
     assert run.state.finish_reason == "length" and run.state.text == "bcd"
     run = make_run(max_new_tokens=10)  # the prompt has 3 tokens: the window is full after 2 more
-    assert await absorb(run, outcome(run, [1, 2]), decode=no_decode, max_context=5) == [1, 2]
+    assert await kept(run, outcome(run, [1, 2]), max_context=5) == [1, 2]
     assert run.state.finish_reason == "length"
 
 
 async def test_a_stop_string_keeps_the_fewest_tokens_and_ends_the_text_before_it():
     run = make_run(max_new_tokens=10, stop=["zz", "cd"])
-    assert await absorb(run, outcome(run, [0, 1, 2, 3, 4]), decode=no_decode, max_context=0) == [0, 1, 2, 3]
+    assert await kept(run, outcome(run, [0, 1, 2, 3, 4])) == [0, 1, 2, 3]
     assert run.state.finish_reason == "stop" and run.state.text == "ab"
 
 
 async def test_a_stop_string_across_iterations_is_found():
     run = make_run(max_new_tokens=10, stop=["bc"])
-    await absorb(run, outcome(run, [0, 1]), decode=no_decode, max_context=0)
-    assert await absorb(run, outcome(run, [2, 3]), decode=no_decode, max_context=0) == [2]
+    await kept(run, outcome(run, [0, 1]))
+    assert await kept(run, outcome(run, [2, 3])) == [2]
     assert run.state.text == "a" and run.state.finish_reason == "stop"
 
 
 async def test_a_character_split_over_tokens_and_iterations_is_held_back_then_whole():
     run = make_run(max_new_tokens=10)
-    await absorb(run, outcome(run, [0, 6]), decode=no_decode, max_context=0)
+    await kept(run, outcome(run, [0, 6]))
     assert (run.state.text, run.state.text_tail) == ("a", "\ufffd")
-    assert text_delta(run, False) == "a"
-    await absorb(run, outcome(run, [7, 1]), decode=no_decode, max_context=0)
+    assert _stream_text(run, False) == "a"
+    await kept(run, outcome(run, [7, 1]))
     assert (run.state.text, run.state.text_tail) == ("aéb", "")
-    assert text_delta(run, False) == "éb"
+    assert _stream_text(run, False) == "éb"
     assert run.state.text == decode_bytes(run.state.generated)
 
 
@@ -82,10 +98,10 @@ async def test_without_text_from_the_verifier_it_decodes_and_the_next_verify_reb
 
     # No text_cursor: an engine that failed to decode.
     plain = VerifyOutcome(tokens=[0, 6], accepted_nodes=[], accept_flags=[], num_drafted=0, committed_len=5)
-    await absorb(run, plain, decode=decode, max_context=0)
+    await kept(run, plain, decode=decode)
     assert (run.state.text, run.state.text_tail) == ("a", "\ufffd") and calls == [[0], [0, 6]]
     assert run.state.text_cursor.read == run.state.text_cursor.start  # rebuild from the output's start
-    await absorb(run, outcome(run, [7]), decode=no_decode, max_context=0)
+    await kept(run, outcome(run, [7]))
     assert run.state.text == "aé" == decode_bytes(run.state.generated)
 
 
@@ -98,8 +114,8 @@ def test_find_stop():
 def test_streamed_text_holds_back_what_may_still_change():
     run = make_run(stop=["cde"])
     run.state.text = "abc"
-    assert text_delta(run, False) == "ab"  # "c" may start the stop string
+    assert _stream_text(run, False) == "ab"  # "c" may start the stop string
     run.state.text, run.state.text_tail = "abcx", "\ufffd"
-    assert text_delta(run, False) == "cx"  # an incomplete character is held back
-    assert text_delta(run, True) == "\ufffd"  # at the end it is shown as the one-shot decode shows it
-    assert text_delta(run, True) == ""
+    assert _stream_text(run, False) == "cx"  # an incomplete character is held back
+    assert _stream_text(run, True) == "\ufffd"  # at the end it is shown as the one-shot decode shows it
+    assert _stream_text(run, True) == ""

@@ -1,4 +1,4 @@
-"""Pipelined speculation (orchestrator.drafting.lookahead) through the real code path.
+"""Pipelined speculation (orchestrator.drafting.model) through the real code path.
 
 The drafter pre-drafts block n+1 from the speculative context committed + x_1..x_k + b while
 the verifier checks block n; the block is used only when that context came true. Checked here:
@@ -21,14 +21,14 @@ import torch
 from orchestrator.adaptation import PairEstimates
 from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
 from orchestrator.config import OrchestratorConfig
-from orchestrator.drafting import DraftingContext, strategy_for
-from orchestrator.drafting.lookahead import LookAhead, PreDraft, chain
+from orchestrator.drafting import DraftingContext, proposer_for
+from orchestrator.drafting.model import ModelProposer, PreDraft, chain
 from orchestrator.speculation import Orchestrator
 from specdec.engine.api import DraftResult
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
 from specdec.errors import InvalidRequest
-from specdec.generation import GenerationRequest
+from specdec.generation import GenerationRequest, GenerationStats
 from specdec.methods import get_method
 from specdec.runtime.loading import load_model
 from specdec.runtime.tiny import save_tiny_model
@@ -287,7 +287,7 @@ async def test_predrafted_only_output_is_distributed_as_the_target(
 ):
     """Requests whose draft length is picked online (no k, no seed) verify a block only when a
     look-ahead pre-drafted it, and take target-only steps while the drafter looks ahead otherwise
-    (orchestrator.drafting.lookahead, pre-drafted only); both kinds must be in the sample. An
+    (orchestrator.drafting.model, pre-drafted only); both kinds must be in the sample. An
     unseeded request draws its seed from `secrets`: a counter here, so every request's streams are
     distinct and known.
 
@@ -300,8 +300,9 @@ async def test_predrafted_only_output_is_distributed_as_the_target(
     seeds = iter(range(13_000_000 + 1_000_000 * ["token", "ersd"].index(method), 14_000_000 + 10**6))
     monkeypatch.setattr(run_module, "secrets", SimpleNamespace(randbits=lambda bits: next(seeds)))
     if broken:
-        honest = LookAhead.has_predraft
-        monkeypatch.setattr(LookAhead, "has_predraft", lambda self, committed, k: honest(self, committed, k)
+        honest = ModelProposer.has_predraft
+        monkeypatch.setattr(ModelProposer, "has_predraft",
+                            lambda self, committed, k: honest(self, committed, k)
                             and self.predraft.draft.tokens[0] != 0)
     target, verifier, drafter = fidelity_pair
     if broken:
@@ -392,7 +393,7 @@ class _LateVerifier:
 @pytest.mark.parametrize("method", ["token", "block", "ersd", "rd"])
 async def test_adaptive_length_only_where_it_is_exact(make_orchestrator, engines, loaded, method):
     """Block and rd ignore pipeline_max_k: every verified block has length k (a grown pre-draft is
-    not exact for block verification, orchestrator.drafting.lookahead); token and ersd blocks grow."""
+    not exact for block verification, orchestrator.drafting.model); token and ersd blocks grow."""
     seen: list[int] = []
 
     class Recording(InProcessDrafterClient):
@@ -416,9 +417,9 @@ async def test_adaptive_length_only_where_it_is_exact(make_orchestrator, engines
 
 def _look_ahead(method: str, config: OrchestratorConfig) -> tuple:
     run = make_run(method=method, config=config)
-    strategy = strategy_for(run, DraftingContext(config, PairEstimates))
-    assert isinstance(strategy, LookAhead)
-    return run, strategy
+    proposer = proposer_for(run, DraftingContext(config, PairEstimates))
+    assert isinstance(proposer, ModelProposer) and proposer.pipelined
+    return run, proposer
 
 
 def test_growth_follows_the_registry():
@@ -434,8 +435,9 @@ def test_a_grown_pre_draft_is_not_taken_for_a_fixed_length_method():
         run, strategy = _look_ahead(method, OrchestratorConfig(pipeline=True, pipeline_max_k=4))
         grown = DraftResult([1, 2, 3], [-1, 0, 1], rows)
         strategy.predraft = PreDraft(run.committed, grown)
-        assert (strategy.take(run.committed, 2) is grown) == taken
-        stats = run.state.stats
+        step = SimpleNamespace(committed=run.committed, counts=GenerationStats())
+        assert (strategy.take(step, 2) is grown) == taken  # type: ignore[arg-type]
+        stats = step.counts  # what the loop adds to the run's statistics
         assert (stats.pre_drafts_used, stats.pre_drafts_dropped) == (int(taken), int(not taken))
         assert strategy.predraft is None
 

@@ -1,4 +1,5 @@
-"""The look-ahead: while the verifier checks one block, the drafter pre-drafts the next.
+"""The draft model as a proposer: its drafter calls, shaped by the run's method (orchestrator.drafting.
+shapes), and its look-ahead: while the verifier checks one block, the drafter pre-drafts the next.
 
 One drafter `lookahead` call guesses what the verifier will commit (bonus guesses: all accepted
 plus a likely next token; rejection guesses: the last draft replaced) and drafts a block after each
@@ -16,40 +17,21 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import torch
 
 from orchestrator.accounting import bump_at
-from orchestrator.drafting.base import Draft, Drafting, Plan, Step, target_only_draft, verify_draft
+from orchestrator.drafting.base import Draft, Plan, ProposerBase, Step, target_only_draft, verify_draft
+from orchestrator.drafting.shapes import Shape
 from orchestrator.failover import DrafterDown
 from orchestrator.run import RunSettings
 from orchestrator.sessions import draft_rows
+from specdec.defaults import DraftSource
 from specdec.engine.api import DraftResult, VerifyOutcome
-from specdec.generation import GenerationStats
+from specdec.generation import IterationRecord
 from specdec.trees import DraftTree, sequence_parents
 
 log = logging.getLogger(__name__)
-
-
-class Pipelinable(Protocol):
-    """A strategy whose blocks a look-ahead can pre-draft (SequenceDrafts, CoinDrafts)."""
-
-    def plan(self, step: Step) -> Plan | None: ...
-
-    async def draft(self, step: Step, plan: Plan, ready: DraftResult | None = None) -> Draft: ...
-
-    def full_block(self, plan: Plan) -> bool:
-        """Whether the plan's block is one a pre-draft can stand in for."""
-        ...
-
-    def next_length(self, step: Step, position: int) -> int:
-        """The block the iteration starting at `position` would draft (0: none a pre-draft could fill)."""
-        ...
-
-    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None: ...
-
-    def expected_rate(self) -> float: ...
 
 
 @dataclass
@@ -62,23 +44,26 @@ class PreDraft:
     rank: int = 0  # rank of its guess among the guesses of its kind
 
 
-class LookAhead(Drafting):
-    """Pre-drafts around `inner`'s blocks (module docstring)."""
+class ModelProposer(ProposerBase):
+    """The draft model's drafts in the run's method's shape; pre-drafted around the shape's full blocks
+    when the run pipelines (module docstring)."""
 
-    def __init__(self, inner: Pipelinable, settings: RunSettings, stats: GenerationStats, *,
-                 predrafted_only: bool, rejection_guesses: bool = True) -> None:
-        self.inner = inner
+    source = DraftSource.MODEL
+
+    def __init__(self, shape: Shape, settings: RunSettings, *, pipelined: bool, predrafted_only: bool,
+                 rejection_guesses: bool = True) -> None:
+        self.shape = shape
         self.settings = settings
-        self.stats = stats  # the run's: the pre-draft counters are this strategy's to write
-        self.growing = settings.pipeline_max_k > 0 and settings.spec.adaptive_length
-        self.predrafted_only = predrafted_only and settings.adaptive and not self.growing
+        self.pipelined = pipelined
+        self.growing = pipelined and settings.pipeline_max_k > 0 and settings.spec.adaptive_length
+        self.predrafted_only = pipelined and predrafted_only and settings.adaptive and not self.growing
         self.rejection_guesses = settings.rejection_guesses if rejection_guesses else 0
         self.predraft: PreDraft | None = None  # the next block, drafted while the last one was verified
 
     # the iteration ---------------------------------------------------------------------------------
     def plan(self, step: Step) -> Plan | None:
-        plan = self.inner.plan(step)
-        if plan is None or not self.inner.full_block(plan):
+        plan = self.shape.plan(step)
+        if not self.pipelined or plan is None or not self.shape.full_block(plan):
             return plan
         if self.predrafted_only and not self.has_predraft(step.committed, len(plan.shape)):
             return replace(plan, step_ahead=True)
@@ -86,10 +71,10 @@ class LookAhead(Drafting):
 
     async def draft(self, step: Step, plan: Plan) -> Draft:
         if plan.step_ahead:
-            self.drop()  # a pre-draft of another prefix or length
+            self.drop(step)  # a pre-draft of another prefix or length
             return target_only_draft(step, plan=plan)
-        ready = self.take(step.committed, len(plan.shape)) if plan.pipelined else None
-        return await self.inner.draft(step, plan, ready)
+        ready = self.take(step, len(plan.shape)) if plan.pipelined else None
+        return await self.shape.draft(step, plan, ready)
 
     async def verify(self, step: Step, draft: Draft) -> VerifyOutcome:
         plan = draft.plan
@@ -100,14 +85,14 @@ class LookAhead(Drafting):
         verify = verify_draft(step, draft, beside_drafter=next_k > 0)
         return await self.verify_and_look_ahead(step, draft, verify, next_k=next_k)
 
-    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome) -> None:
+    def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome, record: IterationRecord) -> None:
         looked_ahead = draft.plan is not None and draft.plan.step_ahead
         if step.run.finished or (draft.target_only and not looked_ahead):
-            self.drop()  # the run ended, or a target-only step took the block's place
-        self.inner.settle(step, draft, outcome)
+            self.drop(step)  # the run ended, or a target-only step took the block's place
+        self.shape.settle(step, draft, outcome, record)
 
     def expected_rate(self) -> float:
-        return self.inner.expected_rate()
+        return self.shape.expected_rate()
 
     # pre-drafts ----------------------------------------------------------------------------------
     def has_predraft(self, committed: list[int], k: int) -> bool:
@@ -119,22 +104,24 @@ class LookAhead(Drafting):
         length = len(predraft.draft.tokens)
         return 0 < length <= self.settings.pipeline_max_k if self.growing else length == k
 
-    def take(self, committed: list[int], k: int) -> DraftResult | None:
-        """The pre-drafted block for `committed`, if its context came true (any length when growing)."""
-        if not self.has_predraft(committed, k):
-            self.drop()
+    def take(self, step: Step, k: int) -> DraftResult | None:
+        """The pre-drafted block for the step's prefix, if its context came true (any length when
+        growing); counted in the step's counts."""
+        if not self.has_predraft(step.committed, k):
+            self.drop(step)
             return None
         predraft, self.predraft = self.predraft, None
         assert predraft is not None
-        self.stats.pre_drafts_used += 1
-        hits = self.stats.pre_draft_rejection_hits if predraft.rejection else self.stats.pre_draft_bonus_hits
-        bump_at(hits, predraft.rank)
+        counts = step.counts
+        counts.pre_drafts_used += 1
+        bump_at(counts.pre_draft_rejection_hits if predraft.rejection else counts.pre_draft_bonus_hits,
+                predraft.rank)
         return predraft.draft
 
-    def drop(self) -> None:
+    def drop(self, step: Step) -> None:
         if self.predraft is not None:
             self.predraft = None
-            self.stats.pre_drafts_dropped += 1
+            step.counts.pre_drafts_dropped += 1
 
     def next_block(self, step: Step, tree: DraftTree, k: int) -> int:
         """Length of the block to pre-draft for the context c + x + b, or 0 when not worth it: the
@@ -146,7 +133,7 @@ class LookAhead(Drafting):
         if generated + len(tree) + 1 >= settings.max_new_tokens:
             return 0
         position = step.position + len(tree) + 1
-        next_k = self.inner.next_length(step, position)
+        next_k = self.shape.next_length(step, position)
         if self.growing:  # the cap of a growing pre-draft
             left = settings.max_new_tokens - generated - len(tree) - 1
             next_k = min(settings.pipeline_max_k, step.depth_cap(position), left)
@@ -184,7 +171,7 @@ class LookAhead(Drafting):
         if len(outcome.accepted_nodes) < guessed_from:
             abandon.set()
             sessions.defer(task)  # the next drafter call waits for it
-            self.stats.pre_drafts_dropped += 1
+            step.counts.pre_drafts_dropped += 1
             return outcome
         try:
             predrafts = await task
@@ -193,12 +180,12 @@ class LookAhead(Drafting):
             return outcome
         except Exception as exc:  # the verifier committed block n already: do not fail for the look-ahead
             log.warning("pre-draft failed (%s: %s); drafting afresh next iteration", type(exc).__name__, exc)
-            self.stats.pre_drafts_dropped += 1
+            step.counts.pre_drafts_dropped += 1
             return outcome
         truth = committed + list(outcome.tokens)
         self.predraft = next((p for p in predrafts if p.context == truth), None)
         if self.predraft is None:
-            self.stats.pre_drafts_dropped += 1
+            step.counts.pre_drafts_dropped += 1
         return outcome
 
     async def look_ahead(
