@@ -3,7 +3,7 @@ that names the field (the caps are OrchestratorConfig's)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from orchestrator.config import OrchestratorConfig
@@ -24,8 +24,9 @@ from specdec.verification.errors import VerificationError
 
 
 def check_request(request: GenerationRequest, config: OrchestratorConfig, target: ModelInfo, *,
-                  has_drafter: bool = True) -> str:
-    """Refuse a request with an InvalidRequest that names the field; returns its method.
+                  has_drafter: bool = True, sources: Collection[str] = DRAFT_SOURCES) -> str:
+    """Refuse a request with an InvalidRequest that names the field; returns its method. `sources`: the
+    draft sources the orchestrator can build (orchestrator.drafting.PROPOSERS).
 
     Sizes come first, each read in constant time or bounded by its limit (config: max_prompt_bytes,
     max_request_id_chars, max_stop_strings, …), so an oversized request costs nothing further.
@@ -68,7 +69,7 @@ def check_request(request: GenerationRequest, config: OrchestratorConfig, target
     _check_range("pipeline_rejection_guesses", request.pipeline_rejection_guesses, guesses, low=0)
     if request.seed is not None and not isinstance(request.seed, int):
         raise InvalidRequest(f"seed must be an integer, got {request.seed!r}")
-    _check_draft_source(request.draft_source, method, has_drafter=has_drafter)
+    _check_draft_source(request.draft_source, method, has_drafter=has_drafter, sources=sources)
     check_cache_salt(request.cache_salt)
     return method
 
@@ -91,13 +92,12 @@ def check_cache_salt(salt: object) -> None:
         raise InvalidRequest("cache_salt must hold printable characters only")
 
 
-def _check_draft_source(source: object, method: str, *, has_drafter: bool) -> None:
+def _check_draft_source(source: object, method: str, *, has_drafter: bool, sources: Collection[str]) -> None:
     """A named draft source exists, has an exact rule under the method, and has its drafter."""
     if source is None:
         return
-    if source not in DRAFT_SOURCES:
-        raise InvalidRequest(f"draft_source: unknown source {source!r}; choose one of "
-                             f"{', '.join(DRAFT_SOURCES)}")
+    if source not in sources:
+        raise InvalidRequest(f"draft_source: unknown source {source!r}; choose one of {', '.join(sources)}")
     spec = get_method(method)
     if source != DraftSource.MODEL and not spec.takes_deterministic_drafts:
         raise InvalidRequest(
@@ -107,7 +107,7 @@ def _check_draft_source(source: object, method: str, *, has_drafter: bool) -> No
         )
     if source == DraftSource.MODEL and not has_drafter:
         raise InvalidRequest("draft_source 'model': this deployment runs without a draft model; choose one "
-                             f"of {', '.join(s for s in DRAFT_SOURCES if s != DraftSource.MODEL)}")
+                             f"of {', '.join(s for s in sources if s != DraftSource.MODEL)}")
 
 
 def check_prompt(prompt_ids: Sequence[int], target: ModelInfo) -> None:

@@ -26,7 +26,7 @@ from orchestrator.adaptation import PairEstimates, SourceEstimates
 from orchestrator.admission import CallerLimit, RequestSlots, paced
 from orchestrator.clients.base import DrafterClient, VerifierClient
 from orchestrator.config import OrchestratorConfig
-from orchestrator.drafting import DraftingContext, proposer_for
+from orchestrator.drafting import PROPOSERS, DraftingContext, proposer_for
 from orchestrator.drafting.base import Draft, Plan, Proposer, Step, target_only_draft
 from orchestrator.engine_link import EngineLink
 from orchestrator.failover import DrafterDown
@@ -250,7 +250,8 @@ class Orchestrator:
     async def _new_run(self, request: GenerationRequest, owner: str) -> Run:
         target = self.target_info
         assert target is not None
-        method = check_request(request, self.config, target, has_drafter=self.drafter is not None)
+        method = check_request(request, self.config, target, has_drafter=self.drafter is not None,
+                               sources=tuple(PROPOSERS))
         prompt_ids = await self._prompt_ids(request)
         check_prompt(prompt_ids, target)
         rank_acceptance = await self._rank_acceptance(method)
