@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from orchestrator.run import Run
-from orchestrator.store import Store
 from orchestrator.timeline import Timeline
 from specdec.defaults import DraftSource
 from specdec.engine.api import VerifyOutcome
@@ -100,7 +101,13 @@ def count_calibration(counts: Counter, method: str, tree: DraftTree, accepted_no
         node = chosen
 
 
-async def flush_calibration(counts: dict[str, int], store: Store, pair_key: str) -> None:
+class CalibrationStore(Protocol):
+    """Where the pair's counts go (orchestrator.store.Store has it)."""
+
+    async def add_calibration(self, pair: str, counts: Mapping[str, int]) -> None: ...
+
+
+async def flush_calibration(counts: dict[str, int], store: CalibrationStore, pair_key: str) -> None:
     """Add a run's acceptance counts (taken out of its state by the loop) to the model pair's running
     statistics in the store."""
     if not counts:

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from specdec.defaults import ANONYMOUS
 from specdec.errors import Overloaded
 from specdec.generation import GenerationChunk
-from specdec.rpc.security import ANONYMOUS
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import scheduling
 from orchestrator.config import OrchestratorConfig
-from orchestrator.store import RequestRecord
-from specdec.defaults import DraftSource
+from orchestrator.records import RequestRecord
+from specdec.defaults import ANONYMOUS, DraftSource
 from specdec.engine.api import ModelInfo, TextCursor
 from specdec.generation import (
     GenerationRequest,
@@ -28,7 +28,6 @@ from specdec.generation import (
     SourceStats,
 )
 from specdec.methods import Method, get_method
-from specdec.rpc.security import ANONYMOUS
 from specdec.sampling import SamplingParams
 
 if TYPE_CHECKING:

@@ -38,6 +38,7 @@ from orchestrator.run import Run, RunState, new_run
 from orchestrator.sessions import RunSessions
 from orchestrator.store import RequestRecord, Store, StoreOutage, open_store
 from orchestrator.timeline import Timeline
+from specdec.defaults import ANONYMOUS
 from specdec.engine.api import ModelInfo, TextCursor
 from specdec.errors import AlreadyExists, InvalidRequest, NotFound, StillRunning, StoreUnavailable
 from specdec.generation import (
@@ -49,7 +50,6 @@ from specdec.generation import (
 )
 from specdec.methods import AUTOREGRESSIVE, get_method
 from specdec.model_free import SuffixCaches
-from specdec.rpc.security import ANONYMOUS
 
 log = logging.getLogger(__name__)
 FINAL_SAVE_RETRY_S = 0.25  # between tries of a finished request's save while the store is down

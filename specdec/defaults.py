@@ -13,6 +13,10 @@ from pathlib import Path
 DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b"  # names in specdec.models.REGISTRY
 DEFAULT_TARGET_MODEL = "qwen2.5-coder-1.5b"
 DEFAULT_MAX_MESSAGE_MB = 64.0  # gRPC send/receive limit of every channel and server
+# The identity of a caller with no credential (no token, no client certificate): what its request
+# records are bound to (specdec.rpc.security.caller_identity). Here so that layers without a
+# transport (the run, its record) can name it.
+ANONYMOUS = "anonymous"
 
 # What the orchestrator runs a request that names no method, k, a or pipeline with (the fields of
 # orchestrator.config.OrchestratorConfig take them; `--default-*` and SPECDEC_DEFAULT_* override

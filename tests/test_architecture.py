@@ -55,7 +55,27 @@ def _fake_tree(root: Path, core_imports: str) -> None:
     loop = next(c for c in config["contracts"] if c.get("containers") == ["orchestrator"])["layers"]
     for name in (n.strip() for layer in loop for n in re.split(r"[:|]", layer)):
         (root / "orchestrator" / f"{name}.py").write_text("")  # the orchestrator's modules, empty
+    for contract in config["contracts"]:  # and the project's modules a contract names, empty
+        for dotted in contract.get("forbidden_modules", []):
+            if dotted.split(".")[0] in config["root_packages"]:
+                _ensure_module(root, dotted)
     shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+
+
+def _ensure_module(root: Path, dotted: str) -> None:
+    """An empty module at `dotted` in the fake tree; a parent that is a module file becomes a package."""
+    *parents, name = dotted.split(".")
+    path = root
+    for part in parents:
+        path = path / part
+        as_file = path.with_suffix(".py")
+        if as_file.exists():
+            path.mkdir(exist_ok=True)
+            (path / "__init__.py").write_text(as_file.read_text())
+            as_file.unlink()
+        path.mkdir(exist_ok=True)
+    if not (path / name).is_dir() and not (path / f"{name}.py").exists():
+        (path / f"{name}.py").write_text("")
 
 
 @pytest.mark.parametrize(
@@ -134,3 +154,18 @@ def test_the_orchestrator_contract_catches_an_upward_or_type_level_import(
     result = _lint_imports(tmp_path, tmp_path)
     assert result.returncode != 0, result.stdout[-2000:]
     assert "Inside orchestrator" in result.stdout and "BROKEN" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("violation", ["import grpc\n", "import orchestrator.clients.grpc_client\n",
+                                       "import orchestrator.store\n"])
+def test_the_proposers_contract_catches_a_transport_import(tmp_path: Path, violation: str) -> None:
+    """A negative control for "Proposers import no transport", on the real packages: a proposer that
+    imports gRPC, the gRPC client, or the store (and through it Redis) breaks it by name."""
+    for package in ("specdec", "orchestrator", "drafter_service", "verifier_service", "bench"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / "orchestrator" / "drafting" / "model_free.py"
+    target.write_text(target.read_text() + "\n" + violation)
+    result = _lint_imports(tmp_path, tmp_path)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "Proposers import no transport BROKEN" in result.stdout, result.stdout[-2000:]

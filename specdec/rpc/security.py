@@ -23,11 +23,11 @@ from typing import Any
 
 import grpc
 
+from specdec.defaults import ANONYMOUS
 from specdec.rpc.refusal import refusing
 
 log = logging.getLogger(__name__)
 
-ANONYMOUS = "anonymous"
 AUTHORIZATION_HEADER = "authorization"
 BEARER_PREFIX = "bearer "
 UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token"
