@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Protocol, TypeGuard
 
 import grpc
@@ -90,41 +90,46 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(
         self, request: generation_pb2.GenerationRequest, context
     ) -> generation_pb2.GenerationResult:
-        result = await self.orchestrator.generate(
-            generation_convert.generation_request_from_proto(request), **_caller(context, self.tenants)
-        )
-        return generation_convert.generation_result_to_proto(result)
+        return await self._result(self.orchestrator.generate, _generation_request, request, context)
 
     @guarded_stream
-    async def GenerateStream(
+    def GenerateStream(
         self, request: generation_pb2.GenerationRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
-        stream = self.orchestrator.generate_stream(
-            generation_convert.generation_request_from_proto(request), **_caller(context, self.tenants)
-        )
-        async with contextlib.aclosing(_chunks(stream)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        return self._chunks(self.orchestrator.generate_stream, _generation_request, request, context)
 
     @guarded
     async def Resume(
         self, request: generation_pb2.ResumeRequest, context
     ) -> generation_pb2.GenerationResult:
-        result = await self.orchestrator.resume(
-            generation_convert.resume_request_from_proto(request), **_caller(context, self.tenants)
-        )
-        return generation_convert.generation_result_to_proto(result)
+        return await self._result(self.orchestrator.resume, _resume_request, request, context)
 
     @guarded_stream
-    async def ResumeStream(
+    def ResumeStream(
         self, request: generation_pb2.ResumeRequest, context
     ) -> AsyncIterator[generation_pb2.GenerationChunk]:
-        stream = self.orchestrator.resume_stream(
-            generation_convert.resume_request_from_proto(request), **_caller(context, self.tenants)
-        )
+        return self._chunks(self.orchestrator.resume_stream, _resume_request, request, context)
+
+    async def _result(self, call: Callable[..., Awaitable[GenerationResult]], convert: Callable[[Any], Any],
+                      request: Any, context: grpc.aio.ServicerContext) -> generation_pb2.GenerationResult:
+        """A unary call: the request converted, the backend called as the caller, the result converted."""
+        result = await call(convert(request), **_caller(context, self.tenants))
+        return generation_convert.generation_result_to_proto(result)
+
+    async def _chunks(
+        self, call: Callable[..., AsyncIterator[GenerationChunk]], convert: Callable[[Any], Any],
+        request: Any, context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[generation_pb2.GenerationChunk]:
+        """A streaming call, as _result; converted inside the stream, so a bad request is refused by
+        the stream's guard like any error, and the backend's stream is closed however this ends."""
+        stream = call(convert(request), **_caller(context, self.tenants))
         async with contextlib.aclosing(_chunks(stream)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+
+_generation_request = generation_convert.generation_request_from_proto
+_resume_request = generation_convert.resume_request_from_proto
 
 
 def _caller(context: grpc.aio.ServicerContext, tenants: Tenants | None = None) -> dict[str, str]:

@@ -44,11 +44,10 @@ from specdec.engine.api import (
     LookaheadBranch,
     LookaheadRequest,
     LookaheadResult,
-    ModelInfo,
 )
+from specdec.engine.core import EngineCore
 from specdec.engine.sessions import (
     SessionConfig,
-    SessionStore,
     advance,
     check_context,
     check_partition,
@@ -58,9 +57,8 @@ from specdec.errors import InvalidRequest, SessionGone
 from specdec.races import race
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import ForwardBatcher
 from specdec.runtime.kv import TreeKVCache
-from specdec.runtime.kv_pool import KVPool, PoolConfig, engine_pool, new_session_cache, renew_session_cache
+from specdec.runtime.kv_pool import PoolConfig
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.prefix_cache import PrefixStore
 from specdec.runtime.scoring import prepare
@@ -77,7 +75,7 @@ class DrafterSession:
     parked: tuple[int, torch.Tensor] | None = None
 
 
-class DrafterEngine:
+class DrafterEngine(EngineCore[DrafterSession]):
     def __init__(
         self, loaded: LoadedModel, sessions: SessionConfig | None = None, clock=time.monotonic,
         batching: BatchConfig | None = None, kv_pool: PoolConfig | None = None,
@@ -87,42 +85,12 @@ class DrafterEngine:
         captured CUDA graphs (specdec.runtime.kv_pool); None, or a model off CUDA: eager caches.
         `prefix_cache`: KV blocks of earlier sessions' prefixes that a new context starts from
         (specdec.runtime.prefix_cache); None: every context is prefilled."""
-        self.loaded = loaded
-        self.prefix_cache = prefix_cache
-        self.batching = batching or BatchConfig()
-        # Runs every session's passes; concurrent calls from different sessions share them.
-        self._batcher = ForwardBatcher(loaded.model, self.batching, compute=loaded.compute)
-        self.pool: KVPool | None = engine_pool(loaded.model, kv_pool, self._batcher.compute)
-        self.sessions: SessionStore[DrafterSession] = SessionStore(
-            self._new_session, sessions, clock, size_of=lambda session: session.kv.physical_len())
+        super().__init__(loaded, lambda kv: DrafterSession(kv=kv), sessions=sessions, clock=clock,
+                         batching=batching, kv_pool=kv_pool, prefix_cache=prefix_cache)
         # Sessions with parked lean rows, read without the session's lock (a look-ahead may hold it);
         # an evicted or released session drops out with its rows.
         self._parked: weakref.WeakValueDictionary[str, DrafterSession] = weakref.WeakValueDictionary()
         self._rows_ids = itertools.count(1)
-
-    def _new_session(self) -> DrafterSession:
-        # The batcher runs one pass at a time on the model (no lock needed besides).
-        return DrafterSession(kv=self._new_cache())
-
-    def _replace_cache(self, old: TreeKVCache) -> TreeKVCache:
-        return renew_session_cache(old, self.loaded.model, self.pool, self._batcher)
-
-    def _new_cache(self) -> TreeKVCache:
-        return new_session_cache(self.loaded.model, self.pool, self._batcher, self.prefix_cache)
-
-    def info(self) -> ModelInfo:
-        return self.loaded.info
-
-    def release(self, session_id: str) -> bool:
-        return self.sessions.release(session_id)
-
-    def stats(self) -> dict[str, int]:
-        """Counters for metrics: the session store's (sessions, evictions, …), the batcher's and the
-        prefix cache's."""
-        stats = {**self.sessions.stats(), **self._batcher.counters()}
-        if self.prefix_cache is not None:
-            stats.update(self.prefix_cache.stats())
-        return stats
 
     # ------------------------------------------------------------------------------------------
     def draft(self, request: DraftRequest) -> DraftResult:

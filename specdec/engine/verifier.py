@@ -35,15 +35,14 @@ import torch
 
 from specdec.engine.api import (
     MAX_TREE_NODES,
-    ModelInfo,
     ScoreRequest,
     TextCursor,
     VerifyOutcome,
     VerifyRequest,
 )
+from specdec.engine.core import EngineCore
 from specdec.engine.sessions import (
     SessionConfig,
-    SessionStore,
     advance,
     check_context,
     check_partition,
@@ -54,11 +53,11 @@ from specdec.generation import CHAT_ROLES, ChatMessage
 from specdec.methods import DETERMINISTIC_METHOD_NAMES, Method, verification_method
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import ForwardBatcher, PassShape, ThreadWidths
+from specdec.runtime.batching import PassShape, ThreadWidths
 from specdec.runtime.chat_template import ChatTemplateRenderer, TemplateLimits
 from specdec.runtime.detokenize import check_cursor, detokenize
 from specdec.runtime.kv import TreeKVCache
-from specdec.runtime.kv_pool import KVPool, PoolConfig, engine_pool, new_session_cache, renew_session_cache
+from specdec.runtime.kv_pool import PoolConfig
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.prefix_cache import PrefixStore
 from specdec.runtime.scoring import TreeScore, commit_path, score_tree
@@ -94,7 +93,7 @@ def _key(committed: list[int], tree: DraftTree) -> tuple:
     return (tuple(committed), tree.tokens, tree.parents)
 
 
-class VerifierEngine:
+class VerifierEngine(EngineCore[VerifierSession]):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -115,12 +114,8 @@ class VerifierEngine:
         CUDA graphs (specdec.runtime.kv_pool); None, or a model off CUDA: eager caches.
         `prefix_cache`: KV blocks of earlier sessions' prefixes that a new prompt starts from
         (specdec.runtime.prefix_cache); None: every prompt is prefilled."""
-        self.loaded = loaded
-        self.prefix_cache = prefix_cache
-        self.batching = batching or BatchConfig()
-        # Runs every session's passes; concurrent calls from different sessions share them.
-        self._batcher = ForwardBatcher(loaded.model, self.batching, threads=threads, compute=loaded.compute)
-        self.pool: KVPool | None = engine_pool(loaded.model, kv_pool, self._batcher.compute)
+        super().__init__(loaded, lambda kv: VerifierSession(kv=kv), sessions=sessions, clock=clock,
+                         batching=batching, threads=threads, kv_pool=kv_pool, prefix_cache=prefix_cache)
         self._verify = verify_fn or verify
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         # The most bytes a text that fits the context window can have (specdec.runtime.text_bounds),
@@ -128,40 +123,17 @@ class VerifierEngine:
         per_token = max_bytes_per_token(loaded.tokenizer)
         context = loaded.info.max_context
         self.max_text_bytes: int | None = per_token * context if per_token and context > 0 else None
-        self.sessions: SessionStore[VerifierSession] = SessionStore(
-            self._new_session, sessions, clock, size_of=lambda session: session.kv.physical_len())
         self.score_hits = 0  # verifies that used an earlier score's rows
         self.late_scores = 0  # scores ignored because their verify had already run
         self.draft_rows_requests = 0  # lean verifies answered with draft_rows_needed
         # Renders templates that callers send (not the model's own) in a killable child process.
         self.template_renderer = ChatTemplateRenderer(template_limits)
 
-    def _new_session(self) -> VerifierSession:
-        # The batcher runs one pass at a time on the model (no lock needed besides).
-        return VerifierSession(kv=self._new_cache())
-
-    def _replace_cache(self, old: TreeKVCache) -> TreeKVCache:
-        return renew_session_cache(old, self.loaded.model, self.pool, self._batcher)
-
-    def _new_cache(self) -> TreeKVCache:
-        return new_session_cache(self.loaded.model, self.pool, self._batcher, self.prefix_cache)
-
     # plain calls ----------------------------------------------------------------------------
-    def info(self) -> ModelInfo:
-        return self.loaded.info
-
-    def release(self, session_id: str) -> bool:
-        return self.sessions.release(session_id)
-
-    def stats(self) -> dict[str, int]:
-        """Counters for metrics: the session store's (sessions, evictions, …), the batcher's, and
-        score reuse / lean-row requests."""
-        stats = {**self.sessions.stats(), **self._batcher.counters()}
-        stats.update(score_hits=self.score_hits, late_scores=self.late_scores,
-                     draft_rows_requests=self.draft_rows_requests)
-        if self.prefix_cache is not None:
-            stats.update(self.prefix_cache.stats())
-        return stats
+    def _own_stats(self) -> dict[str, int]:
+        """Score reuse and lean-row requests."""
+        return {"score_hits": self.score_hits, "late_scores": self.late_scores,
+                "draft_rows_requests": self.draft_rows_requests}
 
     def tokenize(self, text: str) -> list[int]:
         """Ids of `text` with the tokenizer's own conventions (add_special_tokens=True).
