@@ -12,7 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import scheduling
@@ -25,7 +25,8 @@ from specdec.generation import (
     GenerationResult,
     GenerationStats,
     IterationRecord,
-    SourceStats,
+    stats_from_values,
+    stats_values,
 )
 from specdec.methods import Method, get_method
 from specdec.sampling import SamplingParams
@@ -152,7 +153,7 @@ class Run:
         return RequestRecord(
             request_id=self.request_id, status=status, prompt_ids=list(self.settings.prompt_ids),
             token_ids=state.generated, params=self.settings.params(), seed=self.settings.seed,
-            stats=stats_dict(state.stats), finish_reason=state.finish_reason if status == "done" else None,
+            stats=stats_values(state.stats), finish_reason=state.finish_reason if status == "done" else None,
             text=state.text + state.text_tail, error=error, owner=self.settings.owner,
             holder=self.session_id,  # this run writes the record (RequestRecord.holder)
         )
@@ -160,7 +161,7 @@ class Run:
     @classmethod
     def from_record(cls, record: RequestRecord) -> Run:
         """A new run that continues a stored request from its stored tokens (with a new session)."""
-        stats = stats_from_dict(record.stats) if record.stats else GenerationStats()
+        stats = stats_from_values(record.stats) if record.stats else GenerationStats()
         return cls(RunSettings.from_record(record), RunState(generated=list(record.token_ids), stats=stats),
                    new_session_id(record.request_id))
 
@@ -172,20 +173,6 @@ class Run:
             stats=state.stats, iterations=list(state.iterations), started_at=state.epoch0,
             prompt_tokens=len(settings.prompt_ids),
         )
-
-
-def stats_dict(stats: GenerationStats) -> dict[str, Any]:
-    """GenerationStats as JSON values (dataclasses.asdict deep-copies, which costs on every iteration)."""
-    out = {f.name: (list(v) if isinstance(v := getattr(stats, f.name), list) else v) for f in fields(stats)}
-    out["sources"] = {name: vars(s).copy() for name, s in stats.sources.items()}
-    return out
-
-
-def stats_from_dict(values: dict[str, Any]) -> GenerationStats:
-    """The stored form back (records written before per-source counts have none)."""
-    values = dict(values)
-    sources = {name: SourceStats(**s) for name, s in values.pop("sources", {}).items()}
-    return GenerationStats(**values, sources=sources)
 
 
 def cache_partition(owner: str, cache_salt: str = "") -> str:

@@ -7,10 +7,9 @@ import time
 from collections import Counter
 
 from orchestrator.accounting import account, bump, bump_at, count_calibration
-from orchestrator.run import stats_dict
 from orchestrator.timeline import Timeline
 from specdec.engine.api import VerifyOutcome
-from specdec.generation import GenerationStats, SourceStats
+from specdec.generation import GenerationStats, SourceStats, stats_values
 from specdec.trees import DraftTree
 from tests.orchestrator.helpers import make_run
 
@@ -86,6 +85,6 @@ def test_stats_add_sums_every_field():
 
 def test_stats_dict_copies_lists():
     stats = GenerationStats(accepted_per_position=[1, 2])
-    as_dict = stats_dict(stats)
+    as_dict = stats_values(stats)
     stats.accepted_per_position.append(3)
     assert as_dict["accepted_per_position"] == [1, 2] and GenerationStats(**as_dict).iterations == 0
