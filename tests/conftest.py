@@ -44,10 +44,104 @@ def pytest_configure(config: pytest.Config) -> None:
         if index >= count:
             raise pytest.UsageError(f"{TEST_DEVICE_VARIABLE}={device}: torch {torch.__version__} sees "
                                     f"{count} CUDA device(s)")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of a parallel run (see "Parallel runs" below)
+        one_torch_thread_per_worker()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"test device: {device_under_test()} (${TEST_DEVICE_VARIABLE}; tests marked `device`)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Parallel runs. A run of the suite (or of folders or files of it) goes to pytest-xdist workers,
+# $SPECDEC_TEST_WORKERS of them (default 2, CI's cores; 0 or 1: this one process): most tests of the
+# engines wait more than they compute (tiny models; a pass waits its gather window for others to
+# join), so two workers on two cores finish in about half the time. It stays in one process when
+# the command chose (-n / --dist / -p no:xdist), when it names single tests (`file::test`), with
+# --pdb, -s (a worker's output is not shown) or --collect-only, on a GPU test device (one CUDA
+# context), or without pytest-xdist installed (the dev extras have it).
+# Each worker runs its torch passes on one thread (its share of the cores; the suite's in-process
+# models load with threads=1 anyway) and has its own session fixtures (models, engines, a
+# redis-server on a free port). Tests of one module that share a module- or class-scoped fixture
+# starting processes (an `up`, servers, the CLI samples of tests/cli/test_int8_law.py) run on one
+# worker, as one xdist group (`--dist loadgroup`, `shared_process_fixture` below), so those
+# processes start once.
+
+WORKERS_VARIABLE = "SPECDEC_TEST_WORKERS"
+DEFAULT_WORKERS = 2
+
+
+def default_workers(config: pytest.Config) -> int:
+    """How many xdist workers this run gets when its command line does not say (0: none)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or hasattr(config, "workerinput"):
+        return 0  # a worker itself
+    if not config.pluginmanager.hasplugin("xdist"):
+        return 0
+    option = config.option
+    if option.numprocesses is not None or option.dist != "no" or option.tx or option.distload:
+        return 0  # the command chose
+    if option.collectonly or option.usepdb or option.capture == "no":
+        return 0
+    if config.args and all("::" in arg for arg in config.args):
+        return 0  # single tests: a worker's start would cost more than it saves
+    try:
+        if (config.getoption("--test-device") or device_under_test()) != "cpu":
+            return 0
+        workers = int(os.environ.get(WORKERS_VARIABLE) or DEFAULT_WORKERS)
+    except ValueError as exc:
+        raise pytest.UsageError(f"${WORKERS_VARIABLE}: {exc}") from None
+    return workers if workers > 1 else 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Before pytest-xdist reads its options (its hook is tryfirst too, and runs after this one)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # a worker parses the command line, not the options chosen here
+        if workerinput.get(LOADGROUP_KEY):
+            config.option.loadgroup = True  # the groups below reach the scheduler
+        return
+    workers = default_workers(config)
+    if workers:
+        config.option.numprocesses = workers
+        config.option.dist = "loadgroup"
+        config.pluginmanager.register(TellWorkers(), "specdec-xdist-workers")
+
+
+LOADGROUP_KEY = "specdec_loadgroup"
+
+
+class TellWorkers:
+    """Registered only with pytest-xdist (its hook)."""
+
+    @staticmethod
+    def pytest_configure_node(node) -> None:
+        node.workerinput[LOADGROUP_KEY] = True
+
+
+def one_torch_thread_per_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def shared_process_fixture(item: pytest.Item) -> bool:
+    """Whether `item` uses a fixture shared by several tests (module, class or package scope) whose
+    code can start a process: its module's tests then run on one worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    for definitions in (info.name2fixturedefs.values() if info is not None else ()):
+        for definition in definitions:
+            if definition.scope not in ("module", "class", "package"):
+                continue
+            try:
+                code = inspect.getsource(definition.func)
+            except (OSError, TypeError):
+                continue
+            where = Path(inspect.getfile(definition.func))
+            if PROCESS_STARTERS.search(code) or helpers_start_processes(where) or \
+                    module_helpers_start_processes(where):
+                return True
+    return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,10 +230,13 @@ def starts_processes(item: pytest.Item) -> bool:
     return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slow") is None and starts_processes(item):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("xdist_group") is None and shared_process_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(Path(str(item.path)).relative_to(TESTS_ROOT).as_posix()))
 
 
 @pytest.fixture(autouse=True)

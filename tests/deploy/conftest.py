@@ -3,13 +3,14 @@ the chart rendered with the default values and each example values file."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .tools import EXAMPLES, ToolError, Tools, get_tools, render
+from .tools import EXAMPLES, ToolError, Tools, cache_dir, get_tools, render
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("values-*.yaml"))
 VALUES_CASES = [pytest.param(None, id="default"),
@@ -20,8 +21,12 @@ VALUES_CASES = [pytest.param(None, id="default"),
 def tools() -> Tools:
     """helm v4.3.1 and kubectl 1.37. In CI (CI=true) not getting them fails the tests; elsewhere
     (e.g. offline with an empty cache) they are skipped with the reason."""
+    lock = cache_dir().with_name(cache_dir().name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return get_tools()
+        with lock.open("a") as held:  # the workers of a parallel run fetch them once, one at a time
+            fcntl.flock(held, fcntl.LOCK_EX)
+            return get_tools()
     except ToolError as exc:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"helm/kubectl unavailable in CI: {exc}")

@@ -15,7 +15,8 @@ import pytest
 
 from bench import bench_reliability as br
 
-pytestmark = pytest.mark.slow
+# One worker of a parallel run starts the module's stack (tests/conftest.py, "Parallel runs").
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("integration/test_reliability.py")]
 
 
 @pytest.fixture(scope="module")
