@@ -128,11 +128,14 @@ def test_bad_usage_exits_2_without_traceback() -> None:
 
 def test_up_reports_missing_model_with_the_install_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))  # an empty model store
-    result = CliRunner().invoke(app, ["up"], env={"COLUMNS": "220"})
+    # Free ports: the default ones may be held by another test of a parallel run, or the machine.
+    ports = ["--port", "0", "--http-port", "0", "--drafter-port", "0", "--verifier-port", "0"]
+    result = CliRunner().invoke(app, ["up", *ports], env={"COLUMNS": "220"})
     assert result.exit_code == 1
     assert "not installed" in result.output
     assert f"specdec models install {DEFAULT_DRAFT_MODEL}" in result.output
-    result = CliRunner().invoke(app, ["up", "--draft", str(tmp_path / "nope")], env={"COLUMNS": "220"})
+    result = CliRunner().invoke(app, ["up", *ports, "--draft", str(tmp_path / "nope")],
+                                env={"COLUMNS": "220"})
     assert result.exit_code == 1 and "no such file or directory" in result.output
 
 
