@@ -56,7 +56,7 @@ def account(
         emitted=emitted, fallback=fallback, start=run.epoch(started), end=run.epoch(time.perf_counter()),
         draft_intervals=[(run.epoch(s), run.epoch(e)) for s, e in timeline.draft],
         verify_intervals=[(run.epoch(s), run.epoch(e)) for s, e in timeline.verify],
-        overlap_seconds=overlap, source=source if drafted else "",
+        overlap_seconds=overlap, source=str(source) if drafted else "",
     )
     stats = GenerationStats(iterations=1, draft_seconds=timeline.draft_seconds(),
                             verify_seconds=timeline.verify_seconds(), overlap_seconds=overlap,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -128,7 +129,9 @@ class ForwardBatcher:
         self._running = False
         self._members = 0  # calls holding a session: each may queue a plan soon
         # The sessions (caches) of the last two batched passes: their next calls are on their way.
-        self._recent: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
+        # Held weakly: a session released since (its request ended) is no longer waited for.
+        self._recent: tuple[weakref.WeakSet[TreeKVCache], weakref.WeakSet[TreeKVCache]] = (
+            weakref.WeakSet(), weakref.WeakSet())
 
     # the engines' side ------------------------------------------------------------------------
     @contextmanager
@@ -251,7 +254,7 @@ class ForwardBatcher:
         if not self._queue or self._queue[0].kv is None:
             return False
         queued = {id(job.kv) for job in self._queue if job.kv is not None}
-        return any(session not in queued for passed in self._recent for session in passed)
+        return any(id(session) not in queued for passed in self._recent for session in passed)
 
     def _execute(self, batch: list[_Job]) -> None:
         began = time.perf_counter()
@@ -281,7 +284,7 @@ class ForwardBatcher:
             self._count(batch, time.perf_counter() - began)
 
     def _count(self, batch: list[_Job], seconds: float) -> None:
-        self._recent = (self._recent[1], frozenset(id(job.kv) for job in batch))
+        self._recent = (self._recent[1], weakref.WeakSet(job.kv for job in batch if job.kv is not None))
         rows = len(batch) * max(job.positions for job in batch)
         for job in batch:
             job.pass_calls, job.pass_rows = len(batch), rows

@@ -7,6 +7,7 @@ working afterwards (the next step reuses the entries the batched pass handed bac
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
@@ -201,6 +202,24 @@ def test_a_pass_waits_briefly_for_the_sessions_of_the_last_passes(tiny):
         pair[0].extend([token], [-1], 0)
     assert time.monotonic() - began < 0.25 * 4 + 1.0
     assert quick.stats.batches == 5
+
+
+def test_a_released_session_is_not_waited_for(tiny):
+    """A session whose request ended (released: nothing holds its cache) will not come back: the next
+    pass does not wait the window for it. A live one that ran in the last passes is still waited for
+    (the test above)."""
+    model = tiny.model
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=1000))
+    ended, next_request = TreeKVCache(model, runner=batcher), TreeKVCache(model, runner=batcher)
+    _shared_pass(batcher, [ended])
+    batcher._queue.append(_Job(kv=next_request, plan=next_request.plan([1], [-1], 0)))
+    assert batcher._sessions_on_their_way(), "a live session of the last pass is expected back"
+    batcher._queue.clear()
+    del ended
+    gc.collect()
+    began = time.monotonic()
+    next_request.extend([1], [-1], 0)
+    assert time.monotonic() - began < 0.5, "the pass waited for a released session"
 
 
 def _shared_pass(batcher: ForwardBatcher, kvs: list[TreeKVCache]) -> None:
