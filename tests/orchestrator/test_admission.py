@@ -18,6 +18,7 @@ from specdec.rpc.status import OVERLOADED_PREFIX, RemoteError, error_from_status
 from specdec.sampling import SamplingParams
 
 WAIT_S = 20.0  # bound of every wait (never reached unless something is broken)
+FIRST_TOKENS = 64  # a first request long enough to still run when the second one queues (one loop tick)
 
 
 def _request(seed: int = 1, max_new_tokens: int = 6) -> GenerationRequest:
@@ -116,12 +117,15 @@ async def test_a_second_request_is_refused_while_the_only_slot_is_held(make_orch
 
 async def test_a_waiting_request_runs_once_the_first_finishes(make_orchestrator):
     orch = make_orchestrator(max_active_requests=1, queue_timeout_s=WAIT_S)
-    stream = orch.generate_stream(_request())
+    stream = orch.generate_stream(_request(max_new_tokens=FIRST_TOKENS))
     await stream.__anext__()
+    # Read on at once: a stream whose reader stops pauses and hands its slot over (admission.paced),
+    # so only a first request that is read keeps its slot while the second one queues.
+    reader = asyncio.create_task(_drain(stream))
     waiting = asyncio.create_task(orch.generate(_request(seed=2)))
     await _wait_until(lambda: orch.admission_stats()["waiting"] == 1, "the second request to queue")
-    assert not waiting.done()
-    rest = await _drain(stream)  # the first request finishes: its slot passes to the waiting one
+    assert not waiting.done() and not reader.done()
+    rest = await reader  # the first request finishes: its slot passes to the waiting one
     assert rest[-1].result is not None
     async with asyncio.timeout(WAIT_S):
         result = await waiting
