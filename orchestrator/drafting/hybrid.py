@@ -97,14 +97,11 @@ class HybridChooser(ProposerBase):
             step_seconds=self.estimates.iteration_seconds(1), model_rate=self.model_rate(),
             catch_up_seconds=step.sessions.drafter_catch_up_seconds(step.committed))
 
-    def choose(self, proposal: Proposal, *, beside_model: bool = True) -> Proposal | None:
-        """The proposal's best cut when it promises more tokens per second than the alternatives (a
-        target-only step, and the model's best choice when `beside_model`), else None."""
-        return self.best_cut(proposal, beside_model=beside_model)[0]
-
     def best_cut(self, proposal: Proposal, *, beside_model: bool = True) -> tuple[Proposal | None, float]:
-        """choose's cut and its expected tokens per second. The cut keeps the m likeliest nodes (by
-        path probability, so parents stay), with m maximising (1 + c_s·Σ path probabilities) / W(m + 1).
+        """The proposal's best cut when it promises more tokens per second than the alternatives (a
+        target-only step, and the model's best choice when `beside_model`), else None; and its expected
+        tokens per second. The cut keeps the m likeliest nodes (by path probability, so parents stay),
+        with m maximising (1 + c_s·Σ path probabilities) / W(m + 1).
         Untimed (a seeded request): the whole proposal when it promises SEEDED_MIN_EXPECTED tokens,
         rated by that promise."""
         if not self.timed:

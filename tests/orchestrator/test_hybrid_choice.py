@@ -50,14 +50,14 @@ def test_request_calibration_shrinks_towards_the_shared_value() -> None:
 
 def test_a_good_shared_record_drafts_until_the_request_own_record_says_otherwise() -> None:
     hybrid = _hybrid(_estimates(greedy_accepts=True, sampled_accepts=True))
-    chosen = hybrid.choose(CHAIN)
+    chosen = hybrid.best_cut(CHAIN)[0]
     assert chosen is not None and len(chosen) == 5
     # This request's own drafts were refused: 24 predicted tokens, none accepted.
     hybrid.own_predicted["suffix"], hybrid.own_accepted["suffix"] = 24.0, 0.0
     assert hybrid.calibration("suffix") < 0.25
-    assert hybrid.choose(CHAIN) is None
+    assert hybrid.best_cut(CHAIN)[0] is None
     # Another request starts from the shared record again.
-    assert _hybrid(hybrid.estimates).choose(CHAIN) is not None
+    assert _hybrid(hybrid.estimates).best_cut(CHAIN)[0] is not None
 
 
 class _Proposes:
@@ -86,8 +86,8 @@ def test_a_request_that_stopped_drafting_tries_again_after_refused_proposals() -
 
 def test_greedy_and_sampled_requests_read_their_own_shared_records() -> None:
     estimates = _estimates(greedy_accepts=True, sampled_accepts=False)
-    assert _hybrid(estimates).choose(CHAIN) is not None
-    assert _hybrid(estimates, sampled=True).choose(CHAIN) is None
+    assert _hybrid(estimates).best_cut(CHAIN)[0] is not None
+    assert _hybrid(estimates, sampled=True).best_cut(CHAIN)[0] is None
     assert _hybrid(estimates, sampled=True).calibration("suffix") < 0.2
 
 
@@ -249,9 +249,9 @@ def test_a_draft_is_charged_the_pass_every_call_of_the_batch_would_make() -> Non
     # where a long one (0.95 each) still pays.
     modest = Proposal(tokens=(5, 6, 7, 8, 9), parents=(-1, 0, 1, 2, 3), probs=(0.6,) * 5, match_len=3,
                       source="suffix")
-    assert _hybrid(alone).choose(modest) is not None
-    assert _hybrid(shared).choose(modest) is None
-    assert _hybrid(shared).choose(CHAIN) is not None
+    assert _hybrid(alone).best_cut(modest)[0] is not None
+    assert _hybrid(shared).best_cut(modest)[0] is None
+    assert _hybrid(shared).best_cut(CHAIN)[0] is not None
 
 
 def test_a_verifier_that_reports_no_pass_shape_is_read_as_alone() -> None:
