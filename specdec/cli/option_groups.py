@@ -39,6 +39,7 @@ from specdec.cli.options import (
     AdaptiveKOpt,
     AdmissionTimeoutOpt,
     BatchingOpt,
+    BatchLayoutOpt,
     BatchWindowOpt,
     CudaGraphsOpt,
     DefaultAOpt,
@@ -70,6 +71,7 @@ from specdec.cli.options import (
 )
 from specdec.defaults import DEFAULT_DRAFT_SOURCE, DEFAULT_MAX_MESSAGE_MB, DRAFT_SOURCES
 from specdec.runtime.batch_config import (
+    DEFAULT_BATCH_LAYOUT,
     DEFAULT_BATCH_WINDOW_MS,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_POOL_SLOTS,
@@ -139,6 +141,7 @@ class EngineBatching:
     batching: BatchingOpt = True
     max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS
     batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS
+    batch_layout: BatchLayoutOpt = DEFAULT_BATCH_LAYOUT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ from specdec.defaults import (
     resolve_precision,
 )
 from specdec.methods import METHOD_NAMES
+from specdec.runtime.batch_config import BATCH_LAYOUTS
 
 if TYPE_CHECKING:  # grpc is imported only when a command runs
     from specdec.rpc.security import ClientSecurity, ServerSecurity
@@ -147,8 +148,14 @@ KvSlotTokensOpt = Annotated[int, typer.Option(
     "--kv-slot-tokens", min=64, help="With --cuda-graphs: cache entries one pooled session holds (prompt, "
     "output and draft); a longer session moves to an eager cache.")]
 MaxBatchTokensOpt = Annotated[int, typer.Option(
-    "--max-batch-tokens", min=1, help="At most this many query positions (sessions x padded new tokens) "
-    "in one batched pass.")]
+    "--max-batch-tokens", min=1, help="At most this many query rows in one batched pass: the calls' new "
+    "tokens (ragged), or sessions x the widest call's (padded).")]
+BatchLayoutOpt = Annotated[str, typer.Option(
+    "--batch-layout", callback=one_of(BATCH_LAYOUTS), help=(
+        "How a batched pass lays out its calls. ragged: their new tokens end to end, no padding, and a "
+        "prompt's prefill chunks join other sessions' passes (one chunk a pass, so nobody's next token "
+        "waits for a whole prompt). padded: every call padded to the widest, each prefill chunk in a pass "
+        "of its own (the layout before ragged passes; also what eager attention gets)."))]
 BatchWindowOpt = Annotated[float, typer.Option(
     "--batch-window-ms", min=0.0, max=1000.0, help="How long a pass waits for calls still on their way "
     "before it starts: calls holding a session, and sessions of the last two passes that have not queued "

@@ -14,6 +14,9 @@ DEFAULT_POOL_SLOTS = 8
 DEFAULT_SLOT_TOKENS = 4096
 # Engine calls that may run at once in a batching engine's worker pool (each waits for its pass).
 BATCHING_WORKERS = 64
+# How a batched pass lays out its calls' new entries (specdec.runtime.batching).
+BATCH_LAYOUTS = ("ragged", "padded")
+DEFAULT_BATCH_LAYOUT = "ragged"
 
 
 @dataclass(frozen=True)
@@ -21,21 +24,27 @@ class BatchConfig:
     """How an engine batches the forward passes of concurrent calls from different sessions.
 
     enabled: False runs every pass on its own, one engine call at a time (the pre-batching engine).
-    max_batch_tokens: at most this many query positions (sessions x their padded new tokens) in
-    one pass; a call that alone exceeds it runs alone. window_ms: how long a pass that could take
-    more work waits for calls still on their way: calls holding a session, and the sessions of the
-    last two passes that have not queued again (specdec.runtime.batching).
+    max_batch_tokens: at most this many query rows in one pass (padding included); a call that
+    alone exceeds it runs alone. window_ms: how long a pass that could take more work waits for
+    calls still on their way: calls holding a session, and the sessions of the last two passes that
+    have not queued again (specdec.runtime.batching). layout: "ragged" lays the calls' new entries
+    end to end (no padding) and lets a prompt's prefill chunks join other sessions' passes, where
+    the model's attention allows (specdec.runtime.ragged); "padded" pads every call to the widest
+    and prefills each chunk in a pass of its own (the layout before ragged passes).
     """
 
     enabled: bool = True
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     window_ms: float = DEFAULT_BATCH_WINDOW_MS
+    layout: str = DEFAULT_BATCH_LAYOUT
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if not 0 <= self.window_ms <= 1000:
             raise ValueError(f"window_ms must lie in [0, 1000], got {self.window_ms}")
+        if self.layout not in BATCH_LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(BATCH_LAYOUTS)}, got {self.layout!r}")
 
     @property
     def workers(self) -> int:

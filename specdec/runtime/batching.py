@@ -23,6 +23,12 @@ room for the new entries; afterwards each session appends only its new entries t
 (Handing each session a fresh copy of its whole cache, as this once did, cost more than the
 forward itself at 4–8 calls a pass.)
 
+Where the model's attention allows (specdec.runtime.ragged) a pass is ragged instead: the calls'
+new entries lie end to end in one row, with no padding, and each session's attention runs over its
+own keys. Then a prompt's prefill chunks (TreeKVCache.prefill) join other sessions' passes too,
+one chunk a pass, so a decoding session waits at most one chunk's rows for another's prompt (the
+padded layout prefills each chunk in a pass of its own, between batched passes).
+
 Threads: every pass runs on one thread, the engine's ComputeThread, whichever call leads it: a
 process whose torch work moves between threads runs it far slower (specdec.runtime.compute_thread).
 An engine that shares its cores with the drafter (`up`: the verifier may use the
@@ -52,6 +58,7 @@ from specdec.runtime.kv import (
     growing_layer_class,
     model_device_dtype,
 )
+from specdec.runtime.ragged import RaggedPass, Segment, use_ragged_attention
 
 
 def _common_pool(batch: list[_Job]):
@@ -71,6 +78,7 @@ class _Job:
     error: BaseException | None = None
     done: bool = False
     wide: bool = False  # the caller said no drafter call runs beside it (ThreadWidths)
+    prefill: bool = False  # a prompt's prefill chunk: no logits wanted (ragged passes only)
     pass_calls: int = 0  # the pass that served it: calls in it, and query rows (padding included)
     pass_rows: int = 0
 
@@ -107,7 +115,7 @@ class PassShape:
     `rows` (each padded to the widest call's positions)."""
 
     calls: int  # calls the pass served
-    rows: int  # query rows of the pass, padding included
+    rows: int  # query rows of the pass, padding included (a ragged pass has none)
 
 
 class ForwardBatcher:
@@ -122,6 +130,9 @@ class ForwardBatcher:
         self.config = config or BatchConfig()
         self.clock = clock
         self.threads = threads  # None: the process's thread count, never changed here
+        # Whether passes are ragged (specdec.runtime.ragged); else padded.
+        self._ragged = (self.config.enabled and self.config.layout == "ragged"
+                        and use_ragged_attention(model))
         self._caller = threading.local()  # the calling thread's `wide` (drafter_idle)
         self.stats = BatchStats()
         self._cond = threading.Condition()
@@ -186,6 +197,18 @@ class ForwardBatcher:
         """Run `run` (a pass with its own mask, e.g. a prompt's prefill) between batched passes."""
         self._submit(_Job(run=run))
 
+    @property
+    def joins_prefill(self) -> bool:
+        """Whether a prompt's prefill chunks join other sessions' passes (ragged passes)."""
+        return self._ragged
+
+    def prefill(self, kv: TreeKVCache, plan: ExtendPlan) -> None:
+        """Run a prefill chunk's `plan` (a chain at the prefix's end) in a ragged pass with other
+        sessions' plans; no logits (only when `joins_prefill`)."""
+        if not self._ragged:
+            raise RuntimeError("prefill chunks join passes only in ragged passes")
+        self._submit(_Job(kv=kv, plan=plan, prefill=True))
+
     # leading ----------------------------------------------------------------------------------
     def _submit(self, job: _Job) -> _Job:
         job.wide = getattr(self._caller, "wide", False)
@@ -233,15 +256,19 @@ class ForwardBatcher:
             self._queue.pop(0)
             return [first]
         batch: list[_Job] = []
-        widest = 0
+        widest = rows = 0
+        chunks = 0
         for job in list(self._queue):
             if job.kv is None:
                 continue  # runs alone, later
+            if job.prefill and chunks:
+                continue  # one prefill chunk a pass: the others' next tokens wait one chunk at most
             wider = max(widest, job.positions)
-            if batch and wider * (len(batch) + 1) > config.max_batch_tokens:
+            wanted = rows + job.positions if self._ragged else wider * (len(batch) + 1)
+            if batch and wanted > config.max_batch_tokens:
                 break
             batch.append(job)
-            widest = wider
+            widest, rows, chunks = wider, rows + job.positions, chunks + job.prefill
             self._queue.remove(job)
         return batch
 
@@ -258,6 +285,7 @@ class ForwardBatcher:
 
     def _execute(self, batch: list[_Job]) -> None:
         began = time.perf_counter()
+        ragged = False
         if self.threads is not None:
             threads = self.threads.for_pass(all(job.wide for job in batch))
             if torch.get_num_threads() != threads:
@@ -266,13 +294,17 @@ class ForwardBatcher:
             if batch[0].kv is None:
                 assert batch[0].run is not None
                 batch[0].run()
-            elif len(batch) == 1:
+            elif len(batch) == 1 and not batch[0].prefill:
                 job = batch[0]
                 assert job.kv is not None and job.plan is not None
                 job.logits = job.kv.forward(job.plan)
             elif (pool := _common_pool(batch)) is not None:  # one pass over the pool's slots
                 rows = [job.kv.row(job.plan) for job in batch]  # type: ignore[union-attr]
                 for job, logits in zip(batch, pool.run(rows), strict=True):
+                    job.logits = logits
+            elif self._ragged and not any(getattr(job.kv, "pooled", False) for job in batch):
+                ragged = True
+                for job, logits in zip(batch, self._ragged_pass(batch), strict=True):
                     job.logits = logits
             else:
                 for job, logits in zip(batch, self._batched_pass(batch), strict=True):
@@ -281,18 +313,19 @@ class ForwardBatcher:
             for job in batch:
                 job.error = exc
         if batch[0].kv is not None:
-            self._count(batch, time.perf_counter() - began)
+            self._count(batch, time.perf_counter() - began, ragged)
 
-    def _count(self, batch: list[_Job], seconds: float) -> None:
+    def _count(self, batch: list[_Job], seconds: float, ragged: bool) -> None:
         self._recent = (self._recent[1], weakref.WeakSet(job.kv for job in batch if job.kv is not None))
-        rows = len(batch) * max(job.positions for job in batch)
+        positions = [job.positions for job in batch]
+        rows = sum(positions) if ragged else len(batch) * max(positions)
         for job in batch:
             job.pass_calls, job.pass_rows = len(batch), rows
         stats = self.stats
         stats.batches += 1
         stats.batch_calls += len(batch)
         stats.batch_tokens += rows
-        stats.batch_positions += sum(job.positions for job in batch)
+        stats.batch_positions += sum(positions)
         stats.batch_seconds += seconds
         stats.largest_batch = max(stats.largest_batch, len(batch))
 
@@ -362,4 +395,53 @@ class ForwardBatcher:
             kv.append_layer_entries([(layer.keys[b:b + 1, :, total - n:total],
                                       layer.values[b:b + 1, :, total - n:total]) for layer in cache.layers])
             results.append(logits[b, keep - (n - plan.rows_from):])
+        return results
+
+    def _ragged_pass(self, batch: list[_Job]) -> list[torch.Tensor | None]:
+        """The calls' new entries end to end in one row (specdec.runtime.ragged); each session's
+        entries are appended to its own cache during the pass. Logits rows per call (None for a
+        prefill chunk)."""
+        device, dtype = model_device_dtype(self.model)
+        segments: list[Segment] = []
+        tokens: list[int] = []
+        positions: list[int] = []
+        keep: list[int] = []
+        for job in batch:
+            kv, plan = job.kv, job.plan
+            assert kv is not None and plan is not None
+            start, n = len(tokens), len(plan.tokens)
+            segments.append(Segment(kv.cache_layers(), slice(start, start + n),
+                                    additive_mask(plan.allowed, dtype)[None, None].to(device)))
+            tokens += plan.tokens
+            positions += plan.positions
+            if not job.prefill:
+                keep += range(start + plan.rows_from, start + n)
+        lengths = [job.kv.physical_len() for job in batch]  # type: ignore[union-attr]
+        try:
+            with torch.no_grad():
+                out = self.model(
+                    input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
+                    # A placeholder: the model passes a ready 4D mask on as it is, and the ragged
+                    # attention reads each segment's own mask instead.
+                    attention_mask=torch.zeros((1, 1, 1, 1), dtype=dtype, device=device),
+                    position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+                    use_cache=False,
+                    logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                    ragged=RaggedPass(segments),
+                )
+        except BaseException:
+            for job, length in zip(batch, lengths, strict=True):  # entries some layers appended
+                job.kv.drop_entries_after(length)  # type: ignore[union-attr]
+            raise
+        logits = out.logits[0].float()
+        results: list[torch.Tensor | None] = []
+        row = 0
+        for job in batch:
+            if job.prefill:
+                results.append(None)
+                continue
+            assert job.plan is not None
+            wanted = len(job.plan.tokens) - job.plan.rows_from
+            results.append(logits[row:row + wanted])
+            row += wanted
         return results

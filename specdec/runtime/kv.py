@@ -52,6 +52,11 @@ class ForwardRunner(Protocol):
 
     def alone(self, run: Callable[[], None]) -> None: ...
 
+    @property
+    def joins_prefill(self) -> bool: ...
+
+    def prefill(self, kv: TreeKVCache, plan: ExtendPlan) -> None: ...
+
 
 # A prompt is prefilled in passes of at most this many tokens. On the CPU, 128: a pass's
 # temporaries stay in cache ([128, 17920] for the default target's MLP), and a 500-token prompt
@@ -336,6 +341,15 @@ class TreeKVCache:
         if self.physical_len() != self.prefix_len + self.block_len:
             raise CacheError("the model did not append one cache entry per input token")
 
+    def cache_layers(self) -> Sequence[Any]:
+        """The cache's layers: a ragged pass appends a session's new entries to them itself
+        (specdec.runtime.ragged)."""
+        return self._layers()
+
+    def drop_entries_after(self, length: int) -> None:
+        """Drop entries past `length` that no plan recorded (a ragged pass that failed midway)."""
+        self._keep_first(length)
+
     def layer_states(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Keys and values [1, heads, entries, dim] per layer (None where a layer holds nothing yet)."""
         return [
@@ -370,6 +384,13 @@ class TreeKVCache:
             self._prefill_chunk(tokens[begin:begin + chunk], device)
 
     def _prefill_chunk(self, tokens: list[int], device: torch.device) -> None:
+        if self.runner is not None and getattr(self.runner, "joins_prefill", False):
+            # The chunk joins other sessions' passes as a chain at the prefix's end (ragged passes).
+            plan = self.plan(tokens, sequence_parents(len(tokens)), len(tokens) - 1)
+            self.runner.prefill(self, plan)
+            self.apply(plan)
+            self.settle(range(len(tokens)))
+            return
         start = self.prefix_len
 
         def run() -> None:

@@ -143,20 +143,24 @@ def test_rows_from_is_honoured_per_session(tiny, rows_from):
     torch.testing.assert_close(jobs[0].logits, plain[rows_from:], atol=1e-4, rtol=0)
 
 
-def test_each_call_learns_the_shape_of_the_pass_it_ran_in(tiny):
-    """PassShape: a pass of 3 calls, the widest with 4 positions, carries 3 × 4 = 12 rows (padding
-    included) and every call of it is told so; a call alone is told its own positions. The counters
-    keep the calls' own positions apart from the padding."""
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_each_call_learns_the_shape_of_the_pass_it_ran_in(tiny, layout):
+    """PassShape: a padded pass of 3 calls, the widest with 4 positions, carries 3 × 4 = 12 rows
+    (padding included), a ragged one their 1 + 4 + 2 = 7, and every call of it is told so; a call
+    alone is told its own positions. The counters keep the calls' own positions apart from the
+    padding."""
     model = tiny.model
-    batcher = ForwardBatcher(model, BatchConfig(window_ms=0))
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=0, layout=layout))
+    rows = 7 if batcher.joins_prefill else 12  # eager attention has no ragged passes
+    assert batcher.joins_prefill == (layout == "ragged" and tiny.model.config._attn_implementation != "eager")
     kvs = [TreeKVCache(model, runner=batcher) for _ in range(3)]
     widths = (1, 4, 2)
     batch = [_Job(kv=kv, plan=kv.plan(list(range(1, n + 1)), list(range(-1, n - 1)), n - 1))
              for kv, n in zip(kvs, widths, strict=True)]
     batcher._execute(batch)
-    assert [(job.pass_calls, job.pass_rows) for job in batch] == [(3, 12)] * 3
+    assert [(job.pass_calls, job.pass_rows) for job in batch] == [(3, rows)] * 3
     counters = batcher.counters()
-    assert (counters["batch_tokens"], counters["batch_positions"]) == (12, 7)
+    assert (counters["batch_tokens"], counters["batch_positions"]) == (rows, 7)
     assert counters["batch_seconds"] > 0
 
     alone = TreeKVCache(model, runner=batcher)

@@ -1,0 +1,229 @@
+"""Ragged batched passes (specdec.runtime.ragged): the calls' new entries end to end, no padding.
+
+At int8 a session's rows and cache entries from a ragged pass are bitwise those of a pass of its
+own, prefill chunks included; a failed pass leaves every cache as it was; a pass takes at most one
+prefill chunk; a model whose attention cannot be wrapped keeps the padded layout.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from specdec.runtime import kv as kv_module
+from specdec.runtime.batch_config import BatchConfig
+from specdec.runtime.batching import ForwardBatcher, _Job
+from specdec.runtime.kv import TreeKVCache
+from specdec.runtime.loading import quantize_int8
+from specdec.runtime.ragged import RAGGED_PREFIX, use_ragged_attention
+from specdec.runtime.scoring import commit_path, prepare, tree_block
+from specdec.runtime.tiny import build_tiny_model
+from tests.runtime.test_scoring import random_tree
+
+VOCAB = 48
+JOIN_S = 60
+
+
+@pytest.fixture(scope="module")
+def int8_model():
+    torch.set_num_threads(1)
+    return quantize_int8(build_tiny_model(vocab_size=VOCAB, seed=7, hidden_size=64, num_layers=2,
+                                          max_position_embeddings=512))
+
+
+def _plan_tree(kv: TreeKVCache, committed, tree):
+    _, pending = prepare(kv, committed)[:2]
+    return len(pending), kv.plan(pending + list(tree.tokens), tree_block(len(pending), tree),
+                                 rows_from=len(pending) - 1)
+
+
+def _entries(kv: TreeKVCache):
+    return [(keys.clone(), values.clone()) for keys, values in kv.layer_states()]
+
+
+def _same(one, other) -> bool:
+    """Whether two caches' entries (as `_entries` gives them) are bitwise equal."""
+    return len(one) == len(other) and all(torch.equal(a, b) for pair in zip(one, other, strict=True)
+                                          for a, b in zip(*pair, strict=True))
+
+
+def test_a_ragged_pass_is_bitwise_each_sessions_own_pass_at_int8(int8_model):
+    """Four sessions of different cache lengths, trees and a prefill chunk share ragged passes;
+    twins of them run every pass alone. Rows and cache entries agree bitwise, step after step."""
+    model = int8_model
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=0))
+    assert batcher.joins_prefill and model.config._attn_implementation.startswith(RAGGED_PREFIX)
+    rng = random.Random(11)
+    shared = [TreeKVCache(model, runner=batcher) for _ in range(4)]
+    alone = [TreeKVCache(model) for _ in range(4)]
+    committed = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 40, 1, 17)]
+    with torch.inference_mode():
+        for step in range(3):
+            trees = [random_tree(rng, rng.randrange(0, 6), VOCAB) for _ in shared]
+            batch, twins = [], []
+            for kv, twin, seq, tree in zip(shared, alone, committed, trees, strict=True):
+                pending_len, plan = _plan_tree(kv, seq, tree)
+                batch.append(_Job(kv=kv, plan=plan))
+                twins.append((twin, _plan_tree(twin, seq, tree), pending_len))
+            # A fifth session's prefill chunk rides along (no logits for it).
+            chunk_kv, chunk_twin = TreeKVCache(model, runner=batcher), TreeKVCache(model)
+            chunk = [rng.randrange(VOCAB) for _ in range(9 + step)]
+            batch.append(_Job(kv=chunk_kv, plan=chunk_kv.plan(chunk, list(range(-1, len(chunk) - 1)),
+                                                              len(chunk) - 1), prefill=True))
+            batcher._execute(batch)
+            assert all(job.error is None for job in batch)
+            assert batch[-1].logits is None and batch[0].pass_rows == sum(job.positions for job in batch)
+            chunk_kv.apply(batch[-1].plan)
+            chunk_twin.extend_chain(chunk)
+            assert _same(_entries(chunk_kv), _entries(chunk_twin))
+            for job, (twin, (_, twin_plan), pending_len), seq, tree in zip(batch, twins, committed, trees,
+                                                                          strict=False):
+                kv = job.kv
+                kv.apply(job.plan)
+                expected = twin.forward(twin_plan)
+                twin.apply(twin_plan)
+                assert torch.equal(job.logits, expected), step
+                assert _same(_entries(kv), _entries(twin))
+                node = rng.randrange(-1, len(tree))
+                path = [] if node < 0 else tree.path_to(node)
+                commit_path(kv, pending_len, path)
+                commit_path(twin, pending_len, path)
+                seq.extend(tree.tokens[n] for n in path)
+                seq.append(rng.randrange(VOCAB))
+
+
+def test_prefill_chunks_join_other_sessions_passes_and_match_a_prefill_alone(int8_model, monkeypatch):
+    """One session prefills a long prompt in chunks while others decode: the chunks ride in the
+    decoders' passes (at most one a pass), and the prompt's cache is bitwise a prefill of its own."""
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK_CPU", 16)
+    model = int8_model
+    model.specdec_int8_wide_rows = None
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=20))
+    seen: list[list[bool]] = []
+    execute = batcher._execute
+
+    def recording(batch):
+        seen.append([job.prefill for job in batch])
+        execute(batch)
+
+    batcher._execute = recording
+    prompt = [(5 * i + 1) % VOCAB for i in range(100)]
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def decoder(seed: int) -> None:
+        rng = random.Random(seed)
+        kv = TreeKVCache(model, runner=batcher)
+        seq = [rng.randrange(VOCAB) for _ in range(5)]
+        try:
+            with torch.inference_mode(), batcher.member():
+                start.wait(timeout=JOIN_S)
+                for _ in range(200):
+                    if stop.is_set():
+                        break
+                    kv.extend_chain(seq[kv.prefix_len:] if kv.prefix_len < len(seq) else seq[-1:])
+                    kv.settle(range(kv.block_len))
+                    seq.append(rng.randrange(VOCAB))
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            failures.append(exc)
+
+    threads = [threading.Thread(target=decoder, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    kv = TreeKVCache(model, runner=batcher)
+    try:
+        with torch.inference_mode(), batcher.member():
+            start.wait(timeout=JOIN_S)
+            kv.prefill(prompt)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(JOIN_S)
+    assert not failures, failures
+    with torch.inference_mode():
+        own = TreeKVCache(model)
+        own.prefill(prompt)
+    assert kv.prefix == own.prefix == prompt
+    for (k1, v1), (k2, v2) in zip(kv.layer_states(), own.layer_states(), strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    with_chunks = [kinds for kinds in seen if any(kinds)]
+    assert len(with_chunks) == 7  # 100 tokens in chunks of 16
+    assert all(sum(kinds) == 1 for kinds in with_chunks)
+    assert any(len(kinds) > 1 for kinds in with_chunks), seen  # chunks shared passes with decoders
+
+
+@pytest.fixture(scope="module")
+def sdpa_model(tiny_dir):
+    from specdec.runtime.loading import load_model
+
+    return load_model(tiny_dir, attn_implementation="sdpa").model
+
+
+def test_a_failed_ragged_pass_leaves_every_cache_as_it_was(sdpa_model):
+    model = sdpa_model
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=0))
+    assert batcher.joins_prefill
+    kvs = [TreeKVCache(model, runner=batcher) for _ in range(2)]
+    for kv in kvs:
+        kv.extend_chain([1, 2, 3])
+        kv.settle(range(3))
+    before = [_entries(kv) for kv in kvs]
+    broken = kvs[1].cache.layers[1]
+    original = broken.update
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a layer failed midway")
+
+    broken.update = fail  # layer 0 of both sessions and layer 1 of session 0 have appended by then
+    jobs = [_Job(kv=kv, plan=kv.plan([4, 5], [-1, 0], 1)) for kv in kvs]
+    batcher._execute(jobs)
+    assert all(isinstance(job.error, RuntimeError) for job in jobs)
+    broken.update = original
+    for kv, entries in zip(kvs, before, strict=True):
+        assert kv.physical_len() == 3
+        assert _same(_entries(kv), entries)
+        logits = kv.extend_chain([4, 5])
+        with torch.no_grad():
+            plain = model(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits[0, -1:].float()
+        torch.testing.assert_close(logits, plain, atol=1e-4, rtol=0)
+
+
+def test_a_pass_takes_one_prefill_chunk_and_fills_its_budget_with_the_calls_own_rows(sdpa_model):
+    model = sdpa_model
+    batcher = ForwardBatcher(model, BatchConfig(max_batch_tokens=12, window_ms=0))
+    assert batcher.joins_prefill
+    kvs = [TreeKVCache(model, runner=batcher) for _ in range(6)]
+    chunks = [_Job(kv=kv, plan=kv.plan([1] * 4, [-1, 0, 1, 2], 3), prefill=True) for kv in kvs[:2]]
+    decodes = [_Job(kv=kv, plan=kv.plan([1, 2, 3], [-1, 0, 1], 2)) for kv in kvs[2:]]
+    batcher._queue.extend([chunks[0], chunks[1], *decodes])
+    first = batcher._take()
+    assert first == [chunks[0], decodes[0], decodes[1]]  # 4 + 3 + 3 rows; the second chunk waits
+    assert batcher._take() == [chunks[1], decodes[2], decodes[3]]
+
+
+def test_eager_attention_keeps_the_padded_layout(tiny_dir):
+    from specdec.runtime.loading import load_model
+
+    eager = load_model(tiny_dir, attn_implementation="eager").model
+    assert not use_ragged_attention(eager)
+    assert not ForwardBatcher(eager, BatchConfig()).joins_prefill
+    assert not ForwardBatcher(load_model(tiny_dir).model, BatchConfig(layout="padded")).joins_prefill
+    with pytest.raises(ValueError, match="layout"):
+        BatchConfig(layout="diagonal")
+
+
+def test_wrapping_changes_no_other_pass(tiny_dir):
+    """The wrapped attention runs the model's own function when no ragged pass asks otherwise."""
+    from specdec.runtime.loading import load_model
+
+    model = load_model(tiny_dir).model
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        assert use_ragged_attention(model) and use_ragged_attention(model)  # once, then as it is
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
