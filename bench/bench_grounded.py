@@ -76,7 +76,8 @@ generator) send the grounded prompts for --serving-seconds against default `up` 
 `up --drafter none` (and, with --serving-configs target-only, the latter with every request taking
 target-only steps), per temperature, each level on a freshly started server (default suffix cache;
 a level repeats a prompt only after it has sent them all, counted in `repeats`); aggregate tok/s,
-request tok/s p50, latency p50, TTFT p50. The servers run with `--metrics-port 0`, and the level
+request tok/s p50, latency p50, TTFT p50, ITL (the gaps between a request's streamed chunks) p50 and
+p99. The servers run with `--metrics-port 0`, and the level
 reads the verifier's batching counters before and after: passes, calls and query rows per pass
 (padding included), the padding's share, seconds per pass and output tokens per row.
 """
@@ -725,18 +726,20 @@ def render_serving(serving_results: dict[str, Any]) -> list[str]:
     r = serving_results
     lines = ["", f"### Serving: {r['clients']} closed-loop clients, {r['seconds']:g} s per level, "
              f"{r['prompts']} grounded prompts, each level on a fresh server (default suffix cache)", "",
-             "| config | T | agg tok/s | req tok/s p50 | latency p50 s | TTFT p50 s | done | errors "
-             "| repeats |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| config | T | agg tok/s | req tok/s p50 | latency p50 s | TTFT p50 s | ITL p50 s | ITL p99 s "
+             "| done | errors | repeats |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for level in r["levels"]:
         lines.append(f"| {level['config']} | {level['temperature']:g} | {level['aggregate_tok_s']:.2f} | "
                      f"{_cell(level['request_tok_s_p50'])} | {_cell(level['latency_p50_s'])} | "
-                     f"{_cell(level.get('ttft_p50_s'), '.1f')} | "
-                     f"{level['requests']} | {level['errors']} | {level['repeats']} |")
+                     f"{_cell(level.get('ttft_p50_s'), '.1f')} | {_cell(level.get('itl_p50_s'), '.3f')} | "
+                     f"{_cell(level.get('itl_p99_s'), '.3f')} | {level['requests']} | {level['errors']} | "
+                     f"{level['repeats']} |")
     with_passes = [level for level in r["levels"] if level.get("passes")]
     if with_passes:
         lines += ["", "What the verifier's batched passes carried over each level (its /metrics before and "
-                  "after; prefill passes that run alone are not in them): calls and query rows per pass "
+                  "after; prefill chunks that run in passes of their own, as the padded layout runs them, "
+                  "are not in them): calls and query rows per pass "
                   "(padding included), the padding's share of the rows, seconds per pass, and output tokens "
                   "per row.", "",
                   "| config | T | passes | calls/pass | rows/pass | padding | s/pass | rows/s | tokens/row |",

@@ -55,6 +55,9 @@ Per level and configuration:
                       GenerateStream chunk with token ids; transformers serve: the first SSE
                       chunk with text); median and p99
     latency           send → the stream's end; p50 and p99
+    ITL               inter-token latency: the gaps between a request's consecutive streamed chunks
+                      with output (a speculative iteration's chunk carries several tokens; the gap
+                      is what a reader of the stream waits); p50 and p99 over every gap of the level
     done, errors      requests completed; failed ones (gRPC/HTTP errors, error events, timeouts)
     RSS               resident memory of the serving processes (specdec: `up` and its three
                       services; transformers serve: its process), summed, before and after the level,
@@ -155,6 +158,7 @@ class RequestRecord:
     tokens: int = 0
     prompt_tokens: int | None = None  # as the server reported it (transformers serve only)
     error: str | None = None
+    gaps: list[float] = field(default_factory=list)  # between consecutive chunks with output
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -178,6 +182,7 @@ def summarize(
     tokens = sum(r.tokens for r in ok)
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     latencies = [r.latency for r in ok if r.latency is not None]
+    gaps = [gap for r in ok for gap in r.gaps]
     rates = [r.tokens / r.latency for r in ok if r.latency]
     mismatches = sum(
         1
@@ -203,6 +208,8 @@ def summarize(
         "ttft_p99_s": percentile(ttfts, 99),
         "latency_p50_s": percentile(latencies, 50),
         "latency_p99_s": percentile(latencies, 99),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
         "prompt_mismatches": mismatches,
     }
 
@@ -215,6 +222,12 @@ class Outcome:
     tokens: int
     first_output_at: float | None  # time.perf_counter() of the first chunk with output
     prompt_tokens: int | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between consecutive chunks with output
+
+
+def _gaps(arrivals: Sequence[float]) -> list[float]:
+    """Seconds between consecutive arrivals."""
+    return [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)]
 
 
 class Connection(Protocol):
@@ -259,15 +272,16 @@ class SpecdecConnection:
             seed=None if s.seed is None else s.seed + n,
             request_id=f"{self.tag}-{n}",
         )
-        first = None
+        arrivals: list[float] = []
         tokens = 0
         async for chunk in self.client.generate_stream(request):
-            if chunk.token_ids and first is None:
-                first = time.perf_counter()
+            if chunk.token_ids:
+                arrivals.append(time.perf_counter())
             tokens += len(chunk.token_ids)
             if chunk.result is not None:
                 tokens = len(chunk.result.token_ids)
-        return Outcome(tokens=tokens, first_output_at=first)
+        return Outcome(tokens=tokens, first_output_at=arrivals[0] if arrivals else None,
+                       gaps=_gaps(arrivals))
 
     async def close(self) -> None:
         await self.client.close()
@@ -332,7 +346,7 @@ class HfServeConnection:
         }
 
     async def send(self, case: Case, n: int) -> Outcome:
-        first = None
+        arrivals: list[float] = []
         usage: dict[str, Any] | None = None
         body = {**self.body, "prompt": case.text}
         async with self.client.stream("POST", "/v1/completions", json=body) as r:
@@ -352,16 +366,17 @@ class HfServeConnection:
                 if "error" in message:
                     raise RuntimeError(f"server error event: {message['error']}")
                 choices = message.get("choices") or [{}]
-                if first is None and choices[0].get("text"):
-                    first = time.perf_counter()
+                if choices[0].get("text"):
+                    arrivals.append(time.perf_counter())
                 if message.get("usage"):
                     usage = message["usage"]
         if usage is None:
             raise RuntimeError("stream ended without a usage chunk")
         return Outcome(
             tokens=int(usage["completion_tokens"]),
-            first_output_at=first,
+            first_output_at=arrivals[0] if arrivals else None,
             prompt_tokens=int(usage["prompt_tokens"]),
+            gaps=_gaps(arrivals),
         )
 
     async def close(self) -> None:
@@ -405,6 +420,7 @@ async def measure(
         record.latency = time.perf_counter() - began
         record.tokens = outcome.tokens
         record.prompt_tokens = outcome.prompt_tokens
+        record.gaps = outcome.gaps
         if outcome.first_output_at is not None:
             record.ttft = outcome.first_output_at - began
     return record

@@ -260,15 +260,16 @@ def test_tables_render_every_row_and_configuration() -> None:
     assert passes["emitted_per_row"] == 0.5 and passes["acceptance_by_source"] == {"suffix": 0.5}
     serving = {"clients": 8, "seconds": 300.0, "prompts": 14, "levels": [
         {"config": "drafter-none", "temperature": 0.0, "aggregate_tok_s": 12.5, "request_tok_s_p50": 1.6,
-         "latency_p50_s": 80.0, "ttft_p50_s": 6.04, "requests": 16, "errors": 0, "repeats": 2,
+         "latency_p50_s": 80.0, "ttft_p50_s": 6.04, "itl_p50_s": 0.412, "itl_p99_s": 0.9, "requests": 16,
+         "errors": 0, "repeats": 2,
          "passes": passes},
         {"config": "specdec", "temperature": 0.0, "aggregate_tok_s": 6.0, "request_tok_s_p50": 0.8,
          "latency_p50_s": 160.0, "requests": 8, "errors": 0, "repeats": 1}]}
     text = bg.render({"summary": summary, "serving": serving}, meta)
     assert "Command: `python -m bench.bench_grounded --rounds 1`" in text
     assert "SPECDEC_SUFFIX_CACHE_REQUESTS=4" in text
-    assert "| drafter-none | 0 | 12.50 | 1.60 | 80.00 | 6.0 | 16 | 0 | 2 |" in text
-    assert "| specdec | 0 | 6.00 | 0.80 | 160.00 | – | 8 | 0 | 1 |" in text  # a level of an older run
+    assert "| drafter-none | 0 | 12.50 | 1.60 | 80.00 | 6.0 | 0.412 | 0.900 | 16 | 0 | 2 |" in text
+    assert "| specdec | 0 | 6.00 | 0.80 | 160.00 | – | – | – | 8 | 0 | 1 |" in text  # a level of an older run
     assert "| drafter-none | 0 | 10 | 4.00 | 20.0 | 50% | 0.400 | 50 | 0.50 |" in text
     assert "suffix cache" not in bg.render({"summary": summary}, {**meta, "configs": ["hf", "lookup"]})
 

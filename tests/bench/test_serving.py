@@ -76,6 +76,19 @@ def test_summary_counts_completed_requests_only() -> None:
     assert s["prompt_mismatches"] == 1
 
 
+def test_inter_token_latency_pools_the_gaps_of_completed_requests() -> None:
+    from bench.bench_serving import _gaps
+
+    assert _gaps([1.0, 1.5, 3.0]) == [0.5, 1.5] and _gaps([2.0]) == [] and _gaps([]) == []
+    done = [record(2.0, 10, ttft=0.1), record(3.0, 10, ttft=0.2)]
+    done[0].gaps, done[1].gaps = [0.1, 0.2, 0.3], [0.4, 1.0]
+    failed = record(None, 0, error="timeout: x")
+    failed.gaps = [50.0]  # a failed request's gaps are not counted
+    s = summarize([*done, failed], elapsed=5.0, expected_prompt_tokens={})
+    assert s["itl_p50_s"] == pytest.approx(0.3) and s["itl_p99_s"] == pytest.approx(0.976)
+    assert summarize([failed], 1.0, {})["itl_p99_s"] is None
+
+
 def test_summary_of_a_level_without_completions() -> None:
     s = summarize([record(None, 0, error="timeout: x")], elapsed=2.0, expected_prompt_tokens={})
     assert s["requests"] == 0 and s["errors"] == 1 and s["aggregate_tok_s"] == 0.0
