@@ -48,7 +48,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from orchestrator.admission import Caller, door_write_timeout
 from orchestrator.openai_http import responses
-from orchestrator.openai_http.connections import wait_until_read
+from orchestrator.openai_http.connections import client_certificate, wait_until_read
 from orchestrator.openai_http.errors import REFUSALS
 from orchestrator.openai_http.schemas import ChatCompletionRequest, CompletionRequest, json_kind, param_of
 from specdec.errors import NotFound, Unauthenticated
@@ -107,13 +107,21 @@ class OpenAIFrontDoor:
         return target.model_id if target is not None else FALLBACK_MODEL_NAME
 
     def owner(self, request: Request) -> str:
-        """The caller's identity ("token:<digest>" or ANONYMOUS), checked against the tokens if any."""
+        """The caller's identity, checked against the tokens if any: "token:<digest>", else
+        "cert:<digest>" of its verified client certificate (mTLS), else ANONYMOUS; its tenant's
+        (tenant:NAME) when the tenants name its token or its certificate's common name."""
         header = request.headers.get("authorization", "")
         token = header[7:].strip() if header[:7].lower() == "bearer " else None
         if self._auth is not None and not self._auth.accepts(token):
             raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
-        owner = f"token:{digest(token)}" if token else ANONYMOUS
-        return self.tenants.identity(owner) if self.tenants is not None else owner
+        certificate = client_certificate(request.scope.get("client"))
+        if token:
+            owner = f"token:{digest(token)}"
+        else:
+            owner = f"cert:{digest(certificate.pem)}" if certificate is not None else ANONYMOUS
+        if self.tenants is None:
+            return owner
+        return self.tenants.identity(owner, certificate.common_name if certificate is not None else None)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -11,15 +11,19 @@ limit caps a stream's throughput at UNREAD_LIMIT_BYTES per round trip (320 kB/s 
 what token streams send.
 
 The uvicorn protocol (UnreadAwareH11) registers each connection's transport under the client's
-address, which ASGI gives the app as scope["client"].
+address, which ASGI gives the app as scope["client"]. The same lookup gives the door the client
+certificate the TLS handshake verified (mTLS), which ASGI does not pass on: its identity and common
+name map the caller to a tenant, as on the gRPC door (specdec.rpc.tenants).
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import ssl
 import struct
 import termios
+from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -51,6 +55,31 @@ class UnreadAwareH11(H11Protocol):
         if address is not None and _TRANSPORTS.get(address) is self.transport:
             del _TRANSPORTS[address]
         super().connection_lost(exc)
+
+
+@dataclass(frozen=True)
+class ClientCertificate:
+    """A client certificate the TLS handshake verified."""
+
+    pem: str
+    common_name: str | None  # the subject's commonName
+
+
+def client_certificate(client: Any) -> ClientCertificate | None:
+    """The verified client certificate of `client`'s connection (scope["client"]); None without TLS,
+    without a certificate, or when unknown."""
+    if not isinstance(client, (tuple, list)) or len(client) < 2:
+        return None
+    transport = _TRANSPORTS.get((str(client[0]), int(client[1])))
+    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+    if ssl_object is None:
+        return None
+    der = ssl_object.getpeercert(binary_form=True)
+    verified = ssl_object.getpeercert()  # empty unless the handshake verified it
+    if not der or not verified:
+        return None
+    names = [value for rdn in verified.get("subject", ()) for key, value in rdn if key == "commonName"]
+    return ClientCertificate(ssl.DER_cert_to_PEM_cert(der), names[0] if names else None)
 
 
 def unsent_bytes(client: Any) -> int:

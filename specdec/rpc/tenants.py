@@ -8,7 +8,7 @@ A tenants file (`--tenants-file`, a Kubernetes Secret in the chart) holds one te
     team-b      cn:billing-client
 
 A credential is a bearer token (one word of printable ASCII; a tenant may have several, e.g. during a
-rotation) or `cn:` and the subject common name of a client certificate (mTLS, the gRPC door). Lines
+rotation) or `cn:` and the subject common name of a client certificate (mTLS, either door). Lines
 starting with `#` and blank lines are skipped.
 
 Every token in it is accepted (besides --auth-token-file's), and a caller proven by one is the
