@@ -77,7 +77,10 @@ generator) send the grounded prompts for --serving-seconds against default `up` 
 target-only steps), per temperature, each level on a freshly started server (default suffix cache;
 a level repeats a prompt only after it has sent them all, counted in `repeats`); aggregate tok/s,
 request tok/s p50, latency p50, TTFT p50, ITL (the gaps between a request's streamed chunks) p50 and
-p99. The servers run with `--metrics-port 0`, and the level
+p99. With --serving-fresh every request carries a salt of its own (`cache_salt`), so no request
+finds another's prompt or answer in the prefix or suffix caches: a repeated prompt costs what a new
+one does, and a faster server's extra repeats do not speed it up further. The servers run with
+`--metrics-port 0`, and the level
 reads the verifier's batching counters before and after: passes, calls and query rows per pass
 (padding included), the padding's share, seconds per pass and output tokens per row.
 """
@@ -535,7 +538,8 @@ def serving(args: argparse.Namespace, items: list[Item], tokenizer, progress: Sa
             spec = start_server(SERVING_SERVERS[name], f"serving-{name}-T{temperature:g}", args, None,
                                 progress, extra=["--metrics-port", "0"])
             try:
-                sampling = Sampling(args.max_new_tokens, temperature, None, REQUEST_METHOD.get(name))
+                sampling = Sampling(args.max_new_tokens, temperature, None, REQUEST_METHOD.get(name),
+                                    salt_per_request=args.serving_fresh)
                 timeout_s = args.serving_seconds + args.drain_timeout + 60
                 backend = SpecdecBackend(spec.info["orchestrator"], sampling, timeout_s, f"{spec.name}")
                 warm = asyncio.run(warm_up(backend, warm_case, timeout_s))
@@ -549,7 +553,7 @@ def serving(args: argparse.Namespace, items: list[Item], tokenizer, progress: Sa
             finally:
                 spec.stop()
             summary = summarize_level(level.records, level.elapsed, {})
-            summary.update(config=name, temperature=temperature, passes=passes,
+            summary.update(config=name, temperature=temperature, passes=passes, fresh=args.serving_fresh,
                            command=shlex.join(["specdec", "up", *spec.up_args]),
                            repeats=max(0, len(level.records) - len(cases)),
                            records=[asdict(r) for r in level.records])
@@ -724,8 +728,10 @@ def render_tables(summary: dict[str, Any]) -> list[str]:
 
 def render_serving(serving_results: dict[str, Any]) -> list[str]:
     r = serving_results
+    caches = ("every request its own cache salt (no shared prefix or suffix cache entries)"
+              if any(level.get("fresh") for level in r["levels"]) else "default suffix cache")
     lines = ["", f"### Serving: {r['clients']} closed-loop clients, {r['seconds']:g} s per level, "
-             f"{r['prompts']} grounded prompts, each level on a fresh server (default suffix cache)", "",
+             f"{r['prompts']} grounded prompts, each level on a fresh server ({caches})", "",
              "| config | T | agg tok/s | req tok/s p50 | latency p50 s | TTFT p50 s | ITL p50 s | ITL p99 s "
              "| done | errors | repeats |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -862,6 +868,9 @@ def parser() -> argparse.ArgumentParser:
                    default=["specdec", "drafter-none"],
                    help="servers of the serving level: specdec (default `up`), drafter-none, target-only "
                         "(`up --drafter none`, every request method autoregressive); default the first two")
+    p.add_argument("--serving-fresh", action="store_true",
+                   help="every serving request carries its own cache_salt: no request finds another's "
+                        "prompt or answer in the prefix or suffix caches")
     p.add_argument("--drain-timeout", type=float, default=900.0,
                    help="seconds the serving level's requests in flight may take after its time is up")
     p.add_argument("--out", type=Path, default=None, help="folder for results.json and grounded.md")

@@ -246,6 +246,7 @@ class Sampling:
     temperature: float
     seed: int | None  # specdec only: request n gets seed + n
     method: str | None = None  # specdec only: the request's method (None: the server's default)
+    salt_per_request: bool = False  # specdec only: request n gets cache_salt "<tag>-<n>" (no shared caches)
 
 
 class SpecdecConnection:
@@ -271,6 +272,7 @@ class SpecdecConnection:
             method=s.method,
             seed=None if s.seed is None else s.seed + n,
             request_id=f"{self.tag}-{n}",
+            cache_salt=f"{self.tag}-{n}" if s.salt_per_request else None,
         )
         arrivals: list[float] = []
         tokens = 0
