@@ -227,3 +227,4 @@ def test_wrapping_changes_no_other_pass(tiny_dir):
         assert use_ragged_attention(model) and use_ragged_attention(model)  # once, then as it is
         after = model(input_ids=ids).logits
     assert torch.equal(before, after)
+
