@@ -72,7 +72,7 @@ def use_ragged_attention(model) -> bool:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    name = getattr(model.config, "_attn_implementation", None)
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if not isinstance(name, str):
         return False
     if name.startswith(RAGGED_PREFIX):
