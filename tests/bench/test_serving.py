@@ -89,6 +89,38 @@ def test_inter_token_latency_pools_the_gaps_of_completed_requests() -> None:
     assert summarize([failed], 1.0, {})["itl_p99_s"] is None
 
 
+def test_a_specdec_stream_gives_its_gaps_and_a_salt_of_its_own_when_asked() -> None:
+    """SpecdecConnection: gaps between chunks with tokens (empty chunks are not output), and with
+    salt_per_request each request its own cache_salt (--serving-fresh)."""
+    from types import SimpleNamespace
+
+    from bench.bench_serving import Case, Sampling, SpecdecConnection
+
+    sent = []
+
+    class Client:
+        async def generate_stream(self, request):
+            sent.append(request)
+            for ids in ([1, 2], [], [3], [4, 5]):
+                await asyncio.sleep(0.01)
+                yield SimpleNamespace(token_ids=ids, result=None)
+
+        async def close(self) -> None:
+            return None
+
+    async def run(salted: bool):
+        connection = SpecdecConnection.__new__(SpecdecConnection)
+        connection.client, connection.tag = Client(), "lvl"
+        connection.sampling = Sampling(5, 0.0, None, salt_per_request=salted)
+        return await connection.send(Case("p", "t", (1, 2)), 7)
+
+    outcome = asyncio.run(run(True))
+    assert outcome.tokens == 5 and len(outcome.gaps) == 2
+    assert outcome.gaps[0] >= 0.015 and outcome.gaps[1] >= 0.005  # the first spans the empty chunk
+    asyncio.run(run(False))
+    assert [request.cache_salt for request in sent] == ["lvl-7", None]
+
+
 def test_summary_of_a_level_without_completions() -> None:
     s = summarize([record(None, 0, error="timeout: x")], elapsed=2.0, expected_prompt_tokens={})
     assert s["requests"] == 0 and s["errors"] == 1 and s["aggregate_tok_s"] == 0.0
