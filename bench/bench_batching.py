@@ -62,10 +62,12 @@ def _plans(caches: list[TreeKVCache], new: int) -> list[_Job]:
 
 
 def _undo(jobs: list[_Job]) -> None:
+    """Record the jobs' entries, then drop them again (a job that ran alone undid itself)."""
     for job in jobs:
         assert job.error is None, job.error
-        job.kv.apply(job.plan)
-        job.kv.truncate(job.kv.prefix_len)
+        if job.kv is not None:
+            job.kv.apply(job.plan)
+            job.kv.truncate(job.kv.prefix_len)
 
 
 def measure(model, size: int, contexts: list[int], new: int, repeats: int) -> tuple[float, float, float]:

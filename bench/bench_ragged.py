@@ -22,14 +22,12 @@ import statistics
 import sys
 import time
 
-import torch
-
-from bench.bench_batching import _sessions, _TimedModel
+from bench.bench_batching import _sessions, _TimedModel, _undo
 from bench.machine import cpu_model
 from specdec.cli.common import resolve_model
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.batching import ForwardBatcher, _Job
-from specdec.runtime.kv import TreeKVCache
+from specdec.runtime.kv import TreeKVCache, model_device_dtype
 from specdec.runtime.loading import load_model
 
 
@@ -49,20 +47,10 @@ def _chunk_job(kv: TreeKVCache, chunk: int, ragged: bool) -> _Job:
     start = kv.prefix_len
 
     def run() -> None:
-        with torch.no_grad():
-            kv.model(input_ids=torch.tensor([tokens]), position_ids=torch.arange(start, start + chunk)[None],
-                     past_key_values=kv.cache, use_cache=True, logits_to_keep=1)
+        kv.causal_pass(tokens, model_device_dtype(kv.model)[0])
         kv.drop_entries_after(start)
 
     return _Job(run=run)
-
-
-def _undo(jobs: list[_Job]) -> None:
-    for job in jobs:
-        assert job.error is None, job.error
-        if job.kv is not None:
-            job.kv.apply(job.plan)
-            job.kv.truncate(job.kv.prefix_len)
 
 
 def _run(batcher: ForwardBatcher, passes: list[list[_Job]], chunk: int) -> tuple[float, int, int]:

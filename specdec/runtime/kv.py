@@ -391,28 +391,29 @@ class TreeKVCache:
             self.apply(plan)
             self.settle(range(len(tokens)))
             return
-        start = self.prefix_len
-
-        def run() -> None:
-            with self.lock or nullcontext(), torch.no_grad():
-                self.model(
-                    input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
-                    position_ids=torch.arange(start, start + len(tokens), device=device)[None],
-                    past_key_values=self.cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-
         # Each chunk runs alone (its causal mask is the model's own, no [q, kv] mask materialised
         # here); other sessions' passes may run between two chunks.
         if self.runner is not None:
-            self.runner.alone(run)
+            self.runner.alone(lambda: self.causal_pass(tokens, device))
         else:
-            run()
+            self.causal_pass(tokens, device)
         self.prefix = self.prefix + tokens
         if self.physical_len() != self.prefix_len:
             raise CacheError("the model did not append one cache entry per input token")
         self.publish()
+
+    def causal_pass(self, tokens: list[int], device: torch.device) -> None:
+        """Append `tokens`' entries after the cached ones in one pass with the model's own causal
+        mask and one logits row (a prefill chunk of its own; the bookkeeping is the caller's)."""
+        start = self.physical_len()
+        with self.lock or nullcontext(), torch.no_grad():
+            self.model(
+                input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
+                position_ids=torch.arange(start, start + len(tokens), device=device)[None],
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
 
     def extend_chain(self, tokens: Sequence[int], rows_from: int | None = None) -> torch.Tensor:
         """Append a causal chain at the prefix's end (empty block only); by default only the last row."""
