@@ -69,3 +69,18 @@ class TorchRandomSource:
         while probs[index] <= 0 and index > 0:
             index -= 1
         return index
+
+
+def categorical_from_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`TorchRandomSource.categorical`'s pick for the uniform `u` in [0, 1) (the same rule, tested
+    equal), as a 0-d long tensor on probs' device and with no host sync: the drafter samples k
+    tokens on the GPU with it from uniforms of the request's stream (specdec.engine.drafter).
+
+    The downward search past zero-probability tokens becomes one masked max over the vocabulary:
+    cheap on a GPU, so the CPU's own draw keeps its loop.
+    """
+    cdf = torch.cumsum(probs, dim=0)
+    index = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[-1]).reshape(1), right=True)[0]
+    index = index.clamp(max=probs.numel() - 1)
+    ids = torch.arange(probs.numel(), device=probs.device)
+    return torch.where((probs > 0) & (ids <= index), ids, 0).max()

@@ -9,7 +9,8 @@ CONTEXT-token prompt:
 - rows: a captured pass of n tokens (padded to its buckets) against the eager unpadded pass (max
   |Δ logit| and max total variation of the softmax rows), and four sessions in one captured
   batched pass against each alone;
-- the drafter's k-token call (DrafterEngine.draft, T = 1, k = 4 and 8), eager and over the pool.
+- the drafter's k-token call (DrafterEngine.draft, T = 1, k = 4 and 8): eager, over the pool node by
+  node (a host round trip per token), and over the pool with its passes chained on the device.
 
 Medians after warm-up, the device synchronised around each timing.
 """
@@ -110,8 +111,11 @@ def time_model(name: str, args: StepArgs, dtype: str, repeats: int) -> dict:
     del caches, pooled, eager, pool
     gc.collect()
 
+    pooled_config = pool_config(args, context, 16)
     out["draft"] = {"eager": draft_calls(loaded, args, None, context, repeats),
-                    "captured": draft_calls(loaded, args, pool_config(args, context, 16), context, repeats)}
+                    "captured": draft_calls(loaded, args, pooled_config, context, repeats),
+                    "captured, node by node": draft_calls(loaded, args, pooled_config, context, repeats,
+                                                          chained=False)}
     del loaded, model
     gc.collect()
     if args.cuda:
@@ -119,12 +123,22 @@ def time_model(name: str, args: StepArgs, dtype: str, repeats: int) -> dict:
     return out
 
 
-def draft_calls(loaded, args: StepArgs, config, context: int, repeats: int) -> dict:
-    """Median seconds of one DrafterEngine.draft call of k tokens (T = 1), after a prefilled context."""
+def draft_calls(loaded, args: StepArgs, config, context: int, repeats: int, chained: bool = True) -> dict:
+    """Median seconds of one DrafterEngine.draft call of k tokens (T = 1), after a prefilled context.
+    Over a pool the k passes are chained on the device (no host sync between them); `chained=False`
+    times the node-by-node fill instead (a host round trip per token: the path before)."""
     import torch
 
+    from specdec.engine import drafter as drafter_module
     from specdec.engine.api import DraftRequest
     from specdec.engine.drafter import DrafterEngine
+
+    if not chained:
+        real, drafter_module._drafts_on_device = drafter_module._drafts_on_device, lambda *_: False
+        try:
+            return draft_calls(loaded, args, config, context, repeats)
+        finally:
+            drafter_module._drafts_on_device = real
     from specdec.sampling import SamplingParams
     from specdec.trees import sequence_parents
 
@@ -184,9 +198,11 @@ def step(args: StepArgs) -> StepResult:
                     [[name, what, f"{v['max_abs']:.3g}", f"{v['max_tv']:.3g}"]
                      for name, r in results.items() for what, v in r["rows"].items()]), ""]
     ks = TINY["draft_ks"] if args.tiny else DRAFT_KS
-    lines += ["DrafterEngine.draft, one call of k tokens (ms):", "",
-              table(["model", *[f"eager k={k}" for k in ks], *[f"captured k={k}" for k in ks]],
-                    [[name, *[ms(r["draft"][path][k]) for path in ("eager", "captured") for k in ks]]
+    paths = ("eager", "captured, node by node", "captured")
+    lines += ["DrafterEngine.draft, one call of k tokens (ms; captured: the k passes chained on the device, "
+              "node by node: a host round trip per token):", "",
+              table(["model", *[f"{path} k={k}" for path in paths for k in ks]],
+                    [[name, *[ms(r["draft"][path][k]) for path in paths for k in ks]]
                      for name, r in results.items()])]
     findings = []
     for name, r in results.items():

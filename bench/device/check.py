@@ -40,9 +40,9 @@ STEPS = (
     Step("batched", 0.05, "batched pass vs alone: rows and seeded outcomes, per precision"),
     Step("fidelity", 0.20, "chi-square per method through `specdec serve` processes (captured passes)"),
     Step("captured", 0.17, "T(n) eager vs captured, capture cost, padded/batched rows, k-step draft"),
-    Step("loop", 0.17, "the loop end to end: 0.5B → 7B shapes in separate processes vs target-only"),
+    Step("loop", 0.17, "the loop end to end, drafter and verifier as processes (two pairs) vs target-only"),
     Step("timings", 0.10, "eager T(n), tree, batched passes and the drafter's step at real shapes"),
-    Step("overhead", 0.08, "per-iteration overhead of the loop over gRPC, draft = target (eager)"),
+    Step("overhead", 0.08, "per-iteration overhead of the loop over gRPC, draft = target, captured passes"),
     Step("projection", 0.05, "projected speedup (§7) with the measured times, speed-of-light bound"),
 )
 STEP_NAMES = tuple(step.name for step in STEPS)

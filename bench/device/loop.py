@@ -13,8 +13,11 @@ Pairs (SPECDEC_LOOP_PAIRS, default both):
   Qwen2.5's checkpoints share one tokenizer). Independent random weights agree little (α ≈ 0.5
   measured 2026-11-27), far below real pairs (α ≈ 0.9 for the CPU default pair);
 - "self": the 7B shape's own first two layers (same seed: the same embeddings, layers and head) →
-  the 7B shape. With random weights the residual stream is mostly the embedding, so the two
-  agree much more: a stand-in for a real pair's acceptance, and a cheap draft (2 of 28 layers).
+  the 7B shape. Measured 2026-11-27: α ≈ 0.4, no closer than the random pair;
+- "damped" (default with "random"): the same draft → the 7B shape whose layers 2.. have their
+  output projections scaled by 0.05 (bench.device.shapes.build_model's `damp`), so those layers
+  add little to the residual stream and the draft agrees about as a real pair does (α ≈ 0.9 for
+  the CPU default pair). The target's pass costs what the 7B's costs: same shapes, same kernels.
 
 Per k it reports tokens/s (median of the requests), α per token (solved from the mean accepted
 drafts per iteration, Σ_{i=1..k} α^i, as docs/algorithms.md §7 models it), the speedup over the
@@ -40,16 +43,25 @@ from pathlib import Path
 from bench.device.common import StepArgs, StepResult, log, ms, run_step, table
 from bench.device.fidelity import Service
 
-PAIRS = {  # name: (draft shape, its kept layers or None, target shape, shared vocabulary)
-    "random": ("qwen2.5-0.5b", None, "qwen2.5-7b", 152064),
-    "self": ("qwen2.5-7b", 2, "qwen2.5-7b", 152064),
+PAIRS = {  # name: (draft shape, its kept layers or None, target shape, shared vocabulary, target damping)
+    "random": ("qwen2.5-0.5b", None, "qwen2.5-7b", 152064, None),
+    "self": ("qwen2.5-7b", 2, "qwen2.5-7b", 152064, None),
+    "damped": ("qwen2.5-7b", 2, "qwen2.5-7b", 152064, "2:0.05"),
 }
-TINY_PAIRS = {"random": ("tiny-draft", None, "tiny-target", 512),
-              "self": ("tiny-target", 1, "tiny-target", 512)}
+TINY_PAIRS = {"random": ("tiny-draft", None, "tiny-target", 512, None),
+              "self": ("tiny-target", 1, "tiny-target", 512, None),
+              "damped": ("tiny-target", 1, "tiny-target", 512, "1:0.05")}
+DEFAULT_PAIRS = ("random", "damped")
 KS, TINY_KS = (2, 4, 8), (2,)
 NEW_TOKENS, TINY_NEW_TOKENS = 128, 16
 REQUESTS, TINY_REQUESTS = 3, 1
 PROMPT_LEN = 64
+
+
+def describe(pair: tuple) -> str:
+    draft, keep, target, _, damp = pair
+    damped = " (its layers {}.. with output projections ×{})".format(*damp.split(":")) if damp else ""
+    return f"{draft}{f'[:{keep}]' if keep else ''} → {target}{damped}"
 
 
 def per_token_alpha(accepted_per_iteration: float, k: int) -> float:
@@ -64,13 +76,16 @@ def per_token_alpha(accepted_per_iteration: float, k: int) -> float:
     return (low + high) / 2
 
 
-def service(work: Path, role: str, shape: str, keep: int | None, vocab: int, args: StepArgs) -> Service:
+def service(work: Path, role: str, shape: str, keep: int | None, vocab: int, args: StepArgs,
+            damp: str | None = None) -> Service:
     argv = [sys.executable, "-m", "bench.device.serve_shape", "--role", role, "--shape", shape,
             "--vocab-size", str(vocab), "--device", args.device,
             "--dtype", "bfloat16" if args.cuda else "float32"]
     if keep is not None:
         argv += ["--keep-layers", str(keep)]
-    return Service(work, f"{role}-{shape}{'-' + str(keep) if keep else ''}", argv)
+    if damp is not None:
+        argv += ["--damp", damp]
+    return Service(work, f"{role}-{shape}{'-' + str(keep) if keep else ''}{'-damped' if damp else ''}", argv)
 
 
 async def measure(addresses: tuple[str, str], vocab: int, args: StepArgs) -> list[dict]:
@@ -150,10 +165,10 @@ def pass_times(args: StepArgs, draft: str, target: str) -> dict | None:
 
 
 def run_pair(name: str, pair: tuple, args: StepArgs) -> tuple[list[dict], list[list], list[str]]:
-    draft, keep, target, vocab = pair
+    draft, keep, target, vocab, damp = pair
     work = Path(tempfile.mkdtemp(prefix=f"specdec-device-loop-{name}-"))
     services = [service(work, "drafter", draft, keep, vocab, args),
-                service(work, "verifier", target, None, vocab, args)]
+                service(work, "verifier", target, None, vocab, args, damp)]
     try:
         deadline = time.monotonic() + max(10.0, args.left_s() - 30)
         addresses = services[0].address(deadline), services[1].address(deadline)
@@ -165,7 +180,6 @@ def run_pair(name: str, pair: tuple, args: StepArgs) -> tuple[list[dict], list[l
             log(f"loop {name}: {one.name}: {one.log_path.read_text(errors='replace')[-400:]}")
     base = next((r for r in rows if r["method"] == "autoregressive"), None)
     times = pass_times(args, draft if keep is None else target, target)
-    label = f"{draft}[:{keep}]" if keep else draft
     table_rows, findings = [], []
     for r in rows:
         r["pair"] = name
@@ -187,14 +201,14 @@ def run_pair(name: str, pair: tuple, args: StepArgs) -> tuple[list[dict], list[l
                            "–" if speedup is None else f"{speedup:.2f}×",
                            "–" if proj is None else f"{proj:.2f}×"])
         if r["k"] and speedup is not None:
-            findings.append(f"loop {label}→{target} k={r['k']}: {r['tokens_per_s']:.1f} tok/s, α {alpha}, "
+            findings.append(f"loop {describe(pair)} k={r['k']}: {r['tokens_per_s']:.1f} tok/s, α {alpha}, "
                             f"{speedup:.2f}× target-only" + (f" (projection {proj:.2f}×)" if proj else ""))
     return rows, table_rows, findings
 
 
 def step(args: StepArgs) -> StepResult:
     pairs = TINY_PAIRS if args.tiny else PAIRS
-    chosen = [p for p in os.environ.get("SPECDEC_LOOP_PAIRS", ",".join(pairs)).split(",") if p]
+    chosen = [p for p in os.environ.get("SPECDEC_LOOP_PAIRS", ",".join(DEFAULT_PAIRS)).split(",") if p]
     all_rows, table_rows, findings = [], [], []
     for name in chosen:
         if args.left_s() < 30:
@@ -204,8 +218,7 @@ def step(args: StepArgs) -> StepResult:
         all_rows += rows
         table_rows += lines
         findings += found
-    described = "; ".join(f"{name}: {d}{f'[:{keep}]' if keep else ''} → {t}" for name, (d, keep, t, _) in
-                          ((n, pairs[n]) for n in chosen))
+    described = "; ".join(f"{name}: {describe(pairs[name])}" for name in chosen)
     markdown = "\n".join([
         f"Pairs ({described}), random weights, T = 1, {PROMPT_LEN}-token prompts; drafter and verifier in "
         "separate processes on one GPU, captured passes, the orchestrator's loop over gRPC on 127.0.0.1 in "

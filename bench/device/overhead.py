@@ -11,7 +11,6 @@ and several concurrent requests, sequential and pipelined, per iteration:
     engine       the engine calls' wall time in their worker threads, minus model
     hops         the client's view of each call minus the engine call (gRPC, proto conversion,
                  (de)serialisation, thread hand-offs), summed over the iteration's calls
-    rows         of which: moving the float32 draft rows once each way (bench.bench_iteration.rows_cost)
     between      iteration wall time with no drafter or verifier call in flight: the orchestrator's
                  own CPU (planning, records, stop checks)
     syncs        host-device synchronisations per iteration, counted by torch's sync debug mode on
@@ -19,7 +18,8 @@ and several concurrent requests, sequential and pipelined, per iteration:
 
 bench.bench_iteration splits calls along OpenTelemetry spans, which the device image cannot record
 (no OpenTelemetry there); the servers' engine-call observers (specdec.rpc.grpc_support.run_observed)
-and timed clients give the same engine / hops split without spans, and its rows_cost is reused.
+and timed clients give the same engine / hops split without spans. The draft rows stay at the
+drafter (`draft_rows` parked): a verify carries one q per node, and rows only after a rejection.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 from bench.device.common import StepArgs, StepResult, log, ms, run_step, table
 from bench.device.shapes import REAL_SELF_PAIR_MODEL, TINY_SELF_PAIR_MODEL, loaded_model
 
-FULL = {"ks": (1, 2, 4, 8), "concurrency": (1, 8), "max_new_tokens": 32}
+FULL = {"ks": (1, 4, 8), "concurrency": (1, 8), "max_new_tokens": 32}
 TINY = {"ks": (2,), "concurrency": (1, 2), "max_new_tokens": 6}
 PROMPT_LEN = 64
 
@@ -164,7 +164,6 @@ def count_syncs(drafter: Any, verifier: Any, k: int, vocab: int, iterations: int
 async def serve_and_measure(
     args: StepArgs, plan: dict, drafter: Any, verifier: Any, vocab: int
 ) -> list[dict]:
-    from bench.bench_iteration import rows_cost
     from drafter_service.server import start_drafter_server
     from orchestrator.clients.grpc_client import GrpcDrafterClient, GrpcVerifierClient
     from orchestrator.config import OrchestratorConfig
@@ -183,7 +182,7 @@ async def serve_and_measure(
     orchestrator = Orchestrator(
         TimedClient(GrpcDrafterClient(f"127.0.0.1:{d_port}", timeout_s=120), calls),
         TimedClient(GrpcVerifierClient(f"127.0.0.1:{v_port}", timeout_s=120), calls),
-        OrchestratorConfig(draft_source="model"),
+        OrchestratorConfig(draft_source="model", draft_rows="parked"),
         on_iteration=records.append,
     )
     rows: list[dict] = []
@@ -235,8 +234,6 @@ async def serve_and_measure(
                         for r in records
                     ]
                     hops = sum(calls.client) - sum(calls.engine)
-                    cost = rows_cost(vocab, k, repeats=5)
-                    one_hop = cost["to proto"] + cost["serialise"] + cost["parse"] + cost["from proto"]
                     rows.append(
                         {
                             "k": k,
@@ -252,7 +249,6 @@ async def serve_and_measure(
                             "model": sum(calls.model) / iterations,
                             "engine": (sum(calls.engine) - sum(calls.model)) / iterations,
                             "hops": hops / iterations,
-                            "rows": 2 * one_hop,  # Draft reply + Verify request, k + 1 rows each
                             "between": statistics.mean(
                                 w - b for w, b in zip(iteration_walls, busy, strict=True)
                             )
@@ -274,6 +270,7 @@ def step(args: StepArgs) -> StepResult:
 
     from specdec.engine.drafter import DrafterEngine
     from specdec.engine.verifier import VerifierEngine
+    from specdec.runtime.kv_pool import PoolConfig
 
     dtype = "bfloat16" if args.cuda else "float32"
     name = TINY_SELF_PAIR_MODEL if args.tiny else REAL_SELF_PAIR_MODEL
@@ -282,8 +279,11 @@ def step(args: StepArgs) -> StepResult:
         torch.set_num_threads(1)
     # Two engines, two builds with one seed: the same weights, as two services would load them.
     draft_model = loaded_model(name, args.device, dtype, seed=0)
-    drafter = DrafterEngine(draft_model)
-    verifier = VerifierEngine(loaded_model(name, args.device, dtype, seed=0, tokenizer=draft_model.tokenizer))
+    # The services' CUDA default: captured passes over a KV pool (on the CPU the same pool, eagerly).
+    pool = PoolConfig(slots=12, slot_tokens=256 if args.tiny else 512, capture=args.cuda)
+    drafter = DrafterEngine(draft_model, kv_pool=pool)
+    verifier = VerifierEngine(loaded_model(name, args.device, dtype, seed=0, tokenizer=draft_model.tokenizer),
+                              kv_pool=pool)
     vocab = verifier.info().vocab_size
     syncs: dict[int, float | None] = {}
     for k in plan["ks"]:
@@ -302,7 +302,6 @@ def step(args: StepArgs) -> StepResult:
         "model",
         "engine",
         "hops",
-        "rows (est.)",
         "between",
         "syncs",
     ]
@@ -318,7 +317,6 @@ def step(args: StepArgs) -> StepResult:
             ms(r["model"]),
             ms(r["engine"]),
             ms(r["hops"]),
-            ms(r["rows"]),
             ms(r["between"]),
             "n/a" if r["syncs"] is None else f"{r['syncs']:.1f}",
         ]
@@ -327,12 +325,12 @@ def step(args: StepArgs) -> StepResult:
     text = (
         f"Draft = target = {name} (random weights, seed 0, built twice), {dtype} on {args.device}; "
         f"method token, T = 1, prompts of {PROMPT_LEN} random tokens, {plan['max_new_tokens']} new tokens "
-        "per request; drafter and verifier behind their gRPC servers on 127.0.0.1 in this process. "
+        "per request; drafter and verifier behind their gRPC servers on 127.0.0.1 in this process, "
+        "captured passes over a KV pool (CUDA), draft rows parked at the drafter. "
         "Per iteration, mean ms (with several requests the iterations overlap, so wall > 1/rate):\n\n"
         + table(header, body)
         + "\n\nmodel: engines' forward + verification seconds; engine: engine call wall minus model; hops: "
-        "client-side call time minus engine call (gRPC, conversion, threads); rows: float32 draft rows "
-        "converted and (de)serialised once each way (a part of hops, measured apart); between: no call "
+        "client-side call time minus engine call (gRPC, conversion, threads); between: no call "
         "in flight (orchestrator CPU); syncs: host-device synchronisations (direct engine calls)."
     )
     sequential = [r for r in rows if r["concurrency"] == 1 and not r["pipelined"]]

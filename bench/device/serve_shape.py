@@ -27,6 +27,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-layers", type=int, default=None,
                         help="keep only the shape's first N layers (a self-draft of the shape, same seed)")
+    parser.add_argument("--damp", default=None, metavar="N:S",
+                        help="scale layers N..'s output projections by S (bench.device.shapes.build_model)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--slot-tokens", type=int, default=1024)
@@ -50,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     compute = ComputeThread()
     vocab = args.vocab_size
     tokenizer = build_tokenizer(16) if args.role == "drafter" else None  # the verifier detokenizes
+    damp = (int(args.damp.split(":")[0]), float(args.damp.split(":")[1])) if args.damp else None
     loaded = compute.call(loaded_model, args.shape, args.device, args.dtype, args.seed, tokenizer, vocab,
-                          args.keep_layers)
+                          args.keep_layers, damp)
     loaded.compute = compute
     pool = (PoolConfig(slots=args.slots, slot_tokens=args.slot_tokens, capture=args.device.startswith("cuda"))
             if args.cuda_graphs else None)

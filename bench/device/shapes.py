@@ -158,8 +158,13 @@ def config_of(name: str, vocab_size: int | None = None):
 
 
 def build_model(name: str, device: str, dtype: str, seed: int = 0, vocab_size: int | None = None,
-                keep_layers: int | None = None):
-    """Random weights of shape `name`, created on `device` in `dtype` (no host copy of a 16 GB model)."""
+                keep_layers: int | None = None, damp: tuple[int, float] | None = None):
+    """Random weights of shape `name`, created on `device` in `dtype` (no host copy of a 16 GB model).
+
+    `damp` = (n, s): the output projections (attention's o_proj, the MLP's down_proj) of every layer
+    from n on are scaled by s, so those layers add little to the residual stream and the shape's own
+    first n layers (keep_layers=n, same seed) agree with it about as much as a real draft does. The
+    pass costs what it cost: the same shapes, the same kernels."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -168,6 +173,12 @@ def build_model(name: str, device: str, dtype: str, seed: int = 0, vocab_size: i
         torch.cuda.manual_seed_all(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config_of(name, vocab_size), dtype=getattr(torch, dtype))
+    if damp is not None:
+        first, scale = damp
+        with torch.no_grad():
+            for layer in model.model.layers[first:]:
+                layer.self_attn.o_proj.weight.mul_(scale)
+                layer.mlp.down_proj.weight.mul_(scale)
     if keep_layers is not None:  # a self-draft: the shape's own first layers, embeddings and head
         model.model.layers = model.model.layers[:keep_layers]
         model.config.num_hidden_layers = keep_layers
@@ -179,7 +190,8 @@ def build_model(name: str, device: str, dtype: str, seed: int = 0, vocab_size: i
 
 
 def loaded_model(name: str, device: str, dtype: str, seed: int = 0, tokenizer: Any = None,
-                 vocab_size: int | None = None, keep_layers: int | None = None):
+                 vocab_size: int | None = None, keep_layers: int | None = None,
+                 damp: tuple[int, float] | None = None):
     """The engines' LoadedModel for a random model of shape `name`, with `tokenizer` or else a
     word-level tokenizer of its vocabulary (specdec.runtime.tiny's "t{i}" words; seconds to build for
     150k words, so a caller that builds several models of one vocabulary passes one along), as
@@ -188,10 +200,11 @@ def loaded_model(name: str, device: str, dtype: str, seed: int = 0, tokenizer: A
     from specdec.runtime.loading import LoadedModel
     from specdec.runtime.tiny import build_tokenizer
 
-    model = build_model(name, device, dtype, seed, vocab_size, keep_layers)
+    model = build_model(name, device, dtype, seed, vocab_size, keep_layers, damp)
     vocab = int(model.get_output_embeddings().weight.shape[0])
+    damped = f"-damped{damp[0]}x{damp[1]:g}" if damp else ""
     info = ModelInfo(
-        model_id=f"{name}{f'[:{keep_layers}]' if keep_layers else ''}-random-{seed}@{dtype}",
+        model_id=f"{name}{f'[:{keep_layers}]' if keep_layers else ''}{damped}-random-{seed}@{dtype}",
         vocab_size=vocab,
         tokenizer_fingerprint=f"words-{vocab}",
         max_context=4096,

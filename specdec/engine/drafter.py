@@ -55,10 +55,10 @@ from specdec.engine.sessions import (
 )
 from specdec.errors import InvalidRequest, SessionGone
 from specdec.races import race
-from specdec.randomness import TorchRandomSource
+from specdec.randomness import TorchRandomSource, categorical_from_uniform
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.kv import TreeKVCache
-from specdec.runtime.kv_pool import PoolConfig
+from specdec.runtime.kv_pool import PoolConfig, PooledTreeKVCache
 from specdec.runtime.loading import LoadedModel
 from specdec.runtime.prefix_cache import PrefixStore
 from specdec.runtime.scoring import prepare
@@ -119,6 +119,16 @@ class DrafterEngine(EngineCore[DrafterSession]):
         cache = _TimedCache(session.kv)
         reused, pending, restored = cache.prepare(committed)  # may prefill a long run of new tokens
         root_logits = cache.extend_chain(pending)[-1]
+        if _drafts_on_device(session.kv, shape, request):
+            tokens, rows = _draft_chain_on_device(cache, root_logits, len(shape), request, len(committed))
+            result = DraftResult(tokens=tokens, parents=sequence_parents(len(tokens)), forward_seconds=0.0,
+                                 reused_tokens=reused, cached_tokens=restored)
+            if request.want_distributions:  # lean rows stay on the device until DraftRows asks
+                result.draft_probs = rows if request.lean_rows else rows.to("cpu")
+            result.forward_seconds = cache.seconds
+            if request.lean_rows and result.draft_probs is not None:
+                self._park(session, request.session_id, result)
+            return result
         tree = _TreeFill(cache, request.sampling, shape, root_slot=len(pending) - 1, root_logits=root_logits)
         tree.fill(STRATEGIES[request.strategy], request.seed, len(committed), self.loaded.info.vocab_size)
         if request.include_leaf_rows:
@@ -154,7 +164,7 @@ class DrafterEngine(EngineCore[DrafterSession]):
         outside = [r for r in request.rows if not 0 <= r < probs.shape[0]]
         if outside:
             raise InvalidRequest(f"rows {outside[:8]} lie outside the draft's rows [0, {probs.shape[0]})")
-        return probs[list(request.rows)]
+        return probs[list(request.rows)].to("cpu")  # rows drafted on a GPU stay there until asked for
 
     # ------------------------------------------------------------------------------------------
     def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
@@ -357,6 +367,83 @@ class _TreeFill:
             node = first_child[node]
             path.append(self.slot[node])
         return path
+
+
+# ---------------------------------------------------------------------------------- chains on the device
+
+
+def _drafts_on_device(kv: TreeKVCache, shape: list[int], request: DraftRequest) -> bool:
+    """Whether this draft runs as k chained passes on the pool with no host sync between them
+    (_draft_chain_on_device): a sequence drafted from a seeded stream by a session that holds a
+    pool slot with room. Trees, races (ERSD draws its races on the CPU) and eager caches keep the
+    node-by-node fill."""
+    if not isinstance(kv, PooledTreeKVCache) or not kv.pooled or request.strategy != "sample":
+        return False
+    passes = len(shape) - 1 + int(request.include_leaf_rows)
+    return (len(shape) >= 1 and shape == sequence_parents(len(shape))
+            and kv.length + passes <= kv.pool.config.slot_tokens)
+
+
+def _draft_chain_on_device(cache: _TimedCache, root_logits: torch.Tensor, k: int, request: DraftRequest,
+                           position: int) -> tuple[list[int], torch.Tensor]:
+    """A sequence of k tokens after the root row, its passes chained on the device.
+
+    The same draws as the node-by-node fill: token i is the inverse-CDF pick of the i-th uniform of
+    the request's stream (seed, "draft", context length) in row i, normalised in float64 as
+    specdec.drafting.select_children does; each pick is fed to the next pass on the device
+    (KVPool.run_chain) and the host reads the k tokens once, at the end. A row with no support ends
+    the sequence there, as it does in the reference. Returns the tokens and the rows [n + 1, V] on
+    the device (specdec.verification's layout; the row after the last token only with leaf rows).
+    """
+    kv = cache.kv
+    assert isinstance(kv, PooledTreeKVCache) and kv.slot is not None
+    source = STRATEGIES["sample"].source(request.seed, position)
+    assert source is not None
+    uniforms = torch.rand(k, generator=source.generator, dtype=torch.float64)  # = k draws in turn
+    passes = k - 1 + int(request.include_leaf_rows)
+    rows: list[torch.Tensor] = []
+    picks: list[torch.Tensor] = []
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        rows.append(_warp(logits, request.sampling))
+        if len(picks) < k:
+            picks.append(_pick(rows[-1], uniforms[len(picks)]))
+        return picks[-1].clamp(min=0)  # a dead row's -1 still feeds a valid (unused) token
+
+    def run() -> None:
+        nonlocal uniforms
+        uniforms = uniforms.to(root_logits.device)  # one copy, before the passes (none during them)
+        with torch.no_grad():
+            first = sample(root_logits)
+            kv.pool.run_chain(kv.slot, kv.length, first, passes, lambda _, logits: sample(logits))
+
+    began = time.perf_counter()
+    if kv.runner is not None:
+        kv.runner.alone(run)
+    else:
+        run()
+    tokens = [int(t) for t in torch.stack(picks).tolist()]  # the one wait for the device
+    if -1 in tokens:  # the support ran out: the sequence stops before that row's pick
+        tokens = tokens[: tokens.index(-1)]
+    forwarded = min(len(tokens), passes)
+    start = kv.block_len
+    if forwarded:  # record the entries the chain wrote (the ones after a dead row are dropped)
+        kv.apply(kv.plan(tokens[:forwarded], [start - 1, *range(start, start + forwarded - 1)]))
+    kv.settle([*range(start), *range(start, start + forwarded)])
+    count = len(tokens) + 1
+    out = torch.zeros((count, rows[0].shape[-1]), dtype=torch.float32, device=rows[0].device)
+    out[: min(count, len(rows))] = torch.stack(rows[:count])
+    cache.seconds += time.perf_counter() - began
+    return tokens, out
+
+
+def _pick(row: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """select_children's one draw from `row` for the uniform `u`, on the row's device: -1 when the row
+    has no support."""
+    remaining = row.to(torch.float64)
+    total = remaining.sum()
+    token = categorical_from_uniform(remaining / total, u)
+    return torch.where(total > 0, token, -1)
 
 
 # ---------------------------------------------------------------------------------- look-ahead

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -238,6 +238,44 @@ class KVPool:
         # Copies: a captured pass's logits live in one buffer the next replay overwrites (at float32,
         # .float() alone would hand out a view of it), and callers keep rows across passes.
         return [logits[i, r.rows_from:len(r.tokens)].to(torch.float32, copy=True) for i, r in enumerate(rows)]
+
+    def run_chain(self, slot: int, cached: int, token: torch.Tensor, passes: int,
+                  next_token: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        """`passes` passes of one new entry each after a slot's first `cached` entries, every entry
+        seeing all entries before it and itself (a chain whose position ids are its slot indices),
+        with no host sync: pass i's token is a 0-d long device tensor, `token` for the first and
+        then what `next_token(i, logits)` returns for pass i's float32 logits row [V].
+
+        Why: a drafter's k tokens are k dependent passes; sampling on the device and feeding the
+        token straight into the next replay keeps the host from waiting on the GPU k times. The
+        slot's bookkeeping is the caller's (it records the entries once it has read the tokens)."""
+        if cached + passes > self.config.slot_tokens:
+            raise CacheError(f"a chain reaching {cached + passes} entries does not fit a slot of "
+                             f"{self.config.slot_tokens}")
+        for i in range(passes):
+            entry = cached + i
+            kv = bucket(entry + 1, self.config.kv_buckets)
+            graph = self._graphs.get((1, 1, kv)) if kv is not None else None
+            if graph is None:  # as in run: the exact shape, eagerly
+                kv = entry + 1
+            inputs = graph.inputs if graph is not None else self._dummy_inputs(1, 1, kv)
+            inputs["input_ids"].copy_(token.reshape(1, 1))
+            inputs["position_ids"].fill_(entry)
+            inputs["slot_ids"].fill_(slot)
+            inputs["write_index"].fill_(entry)
+            inputs["mask"].fill_(torch.finfo(self.dtype).min)
+            inputs["mask"][..., : entry + 1] = 0
+            if graph is not None:
+                graph.graph.replay()
+                assert self._logits is not None
+                logits = self._logits[0, 0]
+                self.passes["captured"] += 1
+            else:
+                with torch.no_grad():
+                    logits = self._forward(inputs, kv)[0, 0]
+                self.passes["eager"] += 1
+            # A copy: the next replay overwrites the graph's logits buffer.
+            token = next_token(i, logits.to(torch.float32, copy=True))
 
     def _inputs(self, rows: Sequence[PoolRow], b: int, q: int, kv: int) -> dict[str, torch.Tensor]:
         """The pass's input tensors (built on the host, moved in one go)."""
