@@ -42,6 +42,7 @@ def pytest_run(label: str, argv: list[str], args: StepArgs, timeout_s: float) ->
         "-m",
         "pytest",
         "-q",
+        "--tb=short",
         "-p",
         "no:cacheprovider",
         f"--junitxml={report}",
@@ -72,6 +73,9 @@ def pytest_run(label: str, argv: list[str], args: StepArgs, timeout_s: float) ->
             "tail": f"stopped after {timeout_s:.0f} s",
             "ids": [],
         }
+    failures = done.stdout.find("= FAILURES =")
+    if failures >= 0:  # the tracebacks come before the durations, out of the tail's reach
+        log(done.stdout[failures:failures + 8000])
     log(done.stdout[-6000:] + done.stderr[-3000:])
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     if report.exists():

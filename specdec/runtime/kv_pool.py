@@ -28,6 +28,7 @@ Passes outside every bucket (long prefills) run eagerly over the same pool.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import threading
@@ -338,16 +339,27 @@ class KVPool:
         memory = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        # No garbage collection while capturing: a finalizer that frees another engine's graphs (an
+        # earlier pool, as in tests) would destroy a graph mid-capture, which CUDA refuses. Collected
+        # first, then held off until the last graph is in.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         # Plain tensors (not inference ones): replays copy into the inputs from the compute thread.
-        with torch.cuda.stream(stream), torch.inference_mode(False), torch.no_grad():
-            for b, q, kv in sorted(shapes, reverse=True):  # largest first: the pool's size is set once
-                inputs = self._dummy_inputs(b, q, kv)
-                for _ in range(2):  # warm-up outside capture (lazy inits, cuBLAS workspaces)
-                    self._forward(inputs, kv)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=memory, stream=stream, capture_error_mode="thread_local"):
-                    self._logits[:b, :q].copy_(self._forward(inputs, kv))
-                self._graphs[(b, q, kv)] = _Graph(graph, inputs)
+        try:
+            with torch.cuda.stream(stream), torch.inference_mode(False), torch.no_grad():
+                for b, q, kv in sorted(shapes, reverse=True):  # largest first: the pool's size is set once
+                    inputs = self._dummy_inputs(b, q, kv)
+                    for _ in range(2):  # warm-up outside capture (lazy inits, cuBLAS workspaces)
+                        self._forward(inputs, kv)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=memory, stream=stream,
+                                          capture_error_mode="thread_local"):
+                        self._logits[:b, :q].copy_(self._forward(inputs, kv))
+                    self._graphs[(b, q, kv)] = _Graph(graph, inputs)
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.report.graphs = len(self._graphs)
