@@ -73,14 +73,15 @@ class TorchRandomSource:
 
 def categorical_from_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """`TorchRandomSource.categorical`'s pick for the uniform `u` in [0, 1) (the same rule, tested
-    equal), as a 0-d long tensor on probs' device and with no host sync: the drafter samples k
-    tokens on the GPU with it from uniforms of the request's stream (specdec.engine.drafter).
+    equal), row by row for float64 distributions `probs` [..., V] and uniforms `u` [...], as long
+    tensors on probs' device and with no host sync: the drafter samples k tokens on the GPU with it
+    from uniforms of the requests' streams (specdec.engine.drafter).
 
     The downward search past zero-probability tokens becomes one masked max over the vocabulary:
     cheap on a GPU, so the CPU's own draw keeps its loop.
     """
-    cdf = torch.cumsum(probs, dim=0)
-    index = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[-1]).reshape(1), right=True)[0]
-    index = index.clamp(max=probs.numel() - 1)
-    ids = torch.arange(probs.numel(), device=probs.device)
-    return torch.where((probs > 0) & (ids <= index), ids, 0).max()
+    cdf = torch.cumsum(probs, dim=-1)
+    bound = (u.to(cdf.device) * cdf[..., -1]).unsqueeze(-1)
+    index = torch.searchsorted(cdf, bound, right=True).clamp(max=probs.shape[-1] - 1)
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    return torch.where((probs > 0) & (ids <= index), ids, 0).amax(dim=-1)

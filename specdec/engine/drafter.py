@@ -201,7 +201,10 @@ class DrafterEngine(EngineCore[DrafterSession]):
         n_pending = len(pending)
         logits = cache.extend(pending, sequence_parents(n_pending), n_pending - (2 if with_previous else 1))
         hypotheses = _hypotheses(logits, context, request, races, last=n_pending - 1)
-        branches = _draft_branches(cache, hypotheses, request, races)
+        if _branches_on_device(cache.kv, hypotheses, request):
+            branches = _draft_branches_on_device(cache, hypotheses, request)
+        else:
+            branches = _draft_branches(cache, hypotheses, request, races)
 
         keep = list(range(n_pending))
         if hypotheses and not hypotheses[0].replaces_last:
@@ -522,6 +525,74 @@ def _draft_branches(
         active = still
         step_tokens = [branches[b].tokens[-1] for b in active]
         step_parents = [branches[b].slots[-1] for b in active]
+    return branches
+
+
+def _branches_on_device(kv: TreeKVCache, hypotheses: list[_Hypothesis], request: LookaheadRequest) -> bool:
+    """Whether the look-ahead's branches run their k passes chained on the device
+    (_draft_branches_on_device): seeded streams, a pool slot with room for every branch's k entries."""
+    if not isinstance(kv, PooledTreeKVCache) or not kv.pooled or request.strategy != "sample":
+        return False
+    return bool(hypotheses) and request.k > 0 and \
+        kv.length + len(hypotheses) * request.k <= kv.pool.config.slot_tokens
+
+
+def _draft_branches_on_device(
+    cache: _TimedCache, hypotheses: list[_Hypothesis], request: LookaheadRequest
+) -> list[_Branch]:
+    """_draft_branches' draws with its passes chained on the device: every step passes each branch's
+    last token (the hypotheses first) and picks its next one from the branch's own stream on the GPU
+    (_pick, as _draft_chain_on_device does), and the host reads the picks once, at the end.
+
+    The steps are planned on the host as the node-by-node fill plans them (the tokens of steps after
+    the first are written into the block's bookkeeping once read). A branch whose row has no support
+    stops there, as in the fill; its later entries stay in the block, masked from every other branch,
+    and are dropped when the cache settles.
+    """
+    kv = cache.kv
+    assert isinstance(kv, PooledTreeKVCache)
+    strategy, params, k, width = STRATEGIES["sample"], request.sampling, request.k, len(hypotheses)
+    streams = [strategy.source(request.seed, h.length) for h in hypotheses]
+    uniforms = torch.stack([torch.rand(k, generator=s.generator, dtype=torch.float64)  # type: ignore[union-attr]
+                            for s in streams])
+    firsts: list[int] = []  # each step's first block entry
+    rows: list[torch.Tensor] = []  # each step's warped rows [width, V]
+    picks: list[torch.Tensor] = []  # each step's picks [width] (-1: no support)
+
+    def run() -> None:
+        device_uniforms = uniforms.to(kv.pool.device)
+        tokens, parents, fed = [h.token for h in hypotheses], [h.parent for h in hypotheses], None
+        with torch.no_grad():
+            for depth in range(k):
+                firsts.append(kv.block_len)
+                plan = kv.plan(tokens, parents)
+                row = kv.row(plan)
+                row.device_tokens = fed
+                logits = kv.pool.run([row])[0]
+                kv.apply(plan)
+                rows.append(_warp(logits, params))
+                picks.append(torch.stack([_pick(rows[-1][j], device_uniforms[j, depth])
+                                          for j in range(width)]))
+                fed = picks[-1].clamp(min=0)
+                parents = list(range(firsts[-1], firsts[-1] + width))
+                tokens = [0] * width  # placeholders: the picks are read after the last step
+
+    began = time.perf_counter()
+    if kv.runner is not None:
+        kv.runner.alone(run)
+    else:
+        run()
+    picked = torch.stack(picks, dim=1).tolist()  # [width, k]: the one wait for the device
+    for depth in range(1, k):  # the block's bookkeeping gets the tokens the passes were fed
+        for j in range(width):
+            kv.block_tokens[firsts[depth] + j] = max(0, int(picked[j][depth - 1]))
+    branches = []
+    for j in range(width):
+        tokens = [int(t) for t in picked[j]]
+        alive = tokens.index(-1) if -1 in tokens else k
+        branches.append(_Branch(tokens=tokens[:alive], rows=[rows[d][j] for d in range(alive)],
+                                slots=[firsts[d] + j for d in range(min(alive + 1, k))]))
+    cache.seconds += time.perf_counter() - began
     return branches
 
 

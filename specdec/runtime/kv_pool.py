@@ -111,6 +111,9 @@ class PoolRow:
     positions: list[int]
     allowed: torch.Tensor  # bool [n, cached + n]
     rows_from: int = 0
+    # The new entries' tokens as a long [n] tensor on the pool's device, in place of `tokens`: a
+    # token sampled on the device goes into the pass without the host reading it.
+    device_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -301,8 +304,12 @@ class KVPool:
         tensors = {"input_ids": input_ids, "position_ids": positions, "slot_ids": slot_ids,
                    "write_index": write_index, "mask": additive_mask(allowed, self.dtype)[:, None]}
         pinned = self.device.type == "cuda"
-        return {name: (t.pin_memory() if pinned else t).to(self.device, non_blocking=pinned)
-                for name, t in tensors.items()}
+        moved = {name: (t.pin_memory() if pinned else t).to(self.device, non_blocking=pinned)
+                 for name, t in tensors.items()}
+        for i, row in enumerate(rows):
+            if row.device_tokens is not None:
+                moved["input_ids"][i, : len(row.tokens)].copy_(row.device_tokens)
+        return moved
 
     def _forward(self, inputs: dict[str, torch.Tensor], kv: int) -> torch.Tensor:
         cache = _PassCache(self, inputs["slot_ids"], inputs["write_index"], kv)

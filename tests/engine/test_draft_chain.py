@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.engine import drafter as drafter_module
-from specdec.engine.api import DraftRequest
+from specdec.engine.api import DraftRequest, LookaheadRequest
 from specdec.engine.drafter import DrafterEngine, _drafts_on_device, _pick
 from specdec.randomness import TorchRandomSource, categorical_from_uniform
 from specdec.sampling import SamplingParams
@@ -142,15 +142,25 @@ def test_a_row_without_support_ends_the_chain_where_it_ends_the_fill(draft_model
 
 
 def test_a_broken_draw_is_caught_by_the_same_comparison(draft_model, monkeypatch):
-    """Negative control: a chain that draws the row's mode instead of the stream's pick must differ."""
+    """Negative control: chains and branches that draw the row's mode instead of the stream's pick
+    must differ from the fill."""
     monkeypatch.setattr(drafter_module, "categorical_from_uniform", lambda probs, u: torch.argmax(probs))
     chained, filled = _engines(draft_model)
-    differ = 0
-    for seed in range(6):
+    differ = branches_differ = 0
+    for seed in range(12):
         request = _request(f"s{seed}", 0, [1, 2, 3], 6, SAMPLINGS["t1"], seed=seed)
         a, b = _draft_both(chained, filled, request, monkeypatch)
         differ += a.tokens != b.tokens
-    assert differ >= 3
+        ahead = _lookahead_request(session_id=f"l{seed}", seed=seed)
+        one = chained.lookahead(ahead)
+        with monkeypatch.context() as patch:
+            _node_by_node_branches(patch)
+            other = filled.lookahead(ahead)
+        branches_differ += [x.draft.tokens for x in one.branches] != [x.draft.tokens for x in other.branches]
+        for engine in (chained, filled):  # the pool's slots come back (3 of them)
+            engine.release(f"s{seed}")
+            engine.release(f"l{seed}")
+    assert differ >= 4 and branches_differ >= 4, (differ, branches_differ)
 
 
 @pytest.mark.parametrize("zeros", ["none", "middle", "tail"])
@@ -174,3 +184,86 @@ def test_the_device_pick_is_the_cpu_draw_for_the_same_uniform(zeros, monkeypatch
     assert int(categorical_from_uniform(probs, edge)) == drawn
     monkeypatch.undo()
     assert int(_pick(torch.zeros(8), torch.tensor(0.5, dtype=torch.float64))) == -1
+
+
+# ------------------------------------------------------------------------------------ look-ahead
+
+
+def _lookahead_request(**kwargs) -> LookaheadRequest:
+    values = dict(session_id="s", base_len=0, append=[1, 2, 3, 4, 5, 6, 2], k=3, sampling=SAMPLINGS["t1"],
+                  seed=7, want_distributions=True, bonus_guesses=3, rejection_guesses=2)
+    values.update(kwargs)
+    return LookaheadRequest(**values)
+
+
+def _node_by_node_branches(monkeypatch) -> None:
+    monkeypatch.setattr(drafter_module, "_branches_on_device", lambda *args: False)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_chained_look_ahead_branches_equal_the_node_by_node_ones(device_draft_model, sampling, monkeypatch):
+    chained, filled = _engines(device_draft_model, device_under_test())
+    calls = []
+    real = drafter_module._draft_branches_on_device
+    monkeypatch.setattr(drafter_module, "_draft_branches_on_device",
+                        lambda *args: (calls.append(1), real(*args))[1])
+    base, append = 0, [1, 2, 3, 4, 5, 6, 2]
+    for call in range(3):
+        request = _lookahead_request(base_len=base, append=append, sampling=sampling, seed=20 + call)
+        a = chained.lookahead(request)
+        with monkeypatch.context() as patch:
+            _node_by_node_branches(patch)
+            b = filled.lookahead(request)
+        assert len(a.branches) == len(b.branches) == 5
+        for one, other in zip(a.branches, b.branches, strict=True):
+            assert (one.replaces_last, one.token) == (other.replaces_last, other.token)
+            assert one.draft.tokens == other.draft.tokens
+            assert torch.equal(one.draft.draft_probs, other.draft.draft_probs)
+        kv_a, kv_b = _kv(chained, "s"), _kv(filled, "s")
+        assert kv_a.prefix == kv_b.prefix and kv_a.length == kv_b.length
+        for state_a, state_b in zip(kv_a.layer_states(), kv_b.layer_states(), strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(state_a, state_b, strict=True))
+        # The first bonus branch is accepted whole, as a pipelined iteration would take it.
+        base += len(append)
+        append = [a.branches[0].token, *a.branches[0].draft.tokens]
+    assert len(calls) == 3
+
+
+def test_chained_branches_are_the_fresh_chained_drafts_of_their_hypotheses(draft_model):
+    context = [1, 2, 3, 4, 5, 6, 2]
+    engine = DrafterEngine(draft_model, kv_pool=small_pool("cpu"))
+    result = engine.lookahead(_lookahead_request(append=context))
+    fresh = DrafterEngine(draft_model, kv_pool=small_pool("cpu"))
+    for i, branch in enumerate(result.branches):
+        hypothesis = (context[:-1] if branch.replaces_last else context) + [branch.token]
+        reference = fresh.draft(_request(f"ref-{i}", 0, hypothesis, 3, SAMPLINGS["t1"], seed=7))
+        assert branch.draft.tokens == reference.tokens
+        torch.testing.assert_close(branch.draft.draft_probs, reference.draft_probs, atol=1e-5, rtol=1e-4)
+
+
+def test_a_branch_without_support_stops_and_leaves_the_others_as_they_were(draft_model, monkeypatch):
+    """As in the fill, a branch whose row has no support ends before that row's pick; its later
+    entries stay in the passes, masked, so the other branches draft what they draft without it."""
+    clean, dying = _engines(draft_model)
+    expected = clean.lookahead(_lookahead_request())
+    real_warp = drafter_module._warp
+    steps = []
+
+    def dying_warp(logits, params):  # the second step's row of the second branch has no support
+        rows = real_warp(logits, params)
+        if rows.dim() == 2 and rows.shape[0] == 5:
+            steps.append(len(steps))
+            if len(steps) == 2:
+                rows = rows.clone()
+                rows[1] = 0
+        return rows
+
+    monkeypatch.setattr(drafter_module, "_warp", dying_warp)
+    got = dying.lookahead(_lookahead_request())
+    assert [len(b.draft.tokens) for b in got.branches] == [3, 1, 3, 3, 3]
+    assert got.branches[1].draft.tokens == expected.branches[1].draft.tokens[:1]
+    for j in (0, 2, 3, 4):
+        assert got.branches[j].draft.tokens == expected.branches[j].draft.tokens
+        assert torch.equal(got.branches[j].draft.draft_probs, expected.branches[j].draft.draft_probs)
+    assert _kv(dying, "s").prefix == _kv(clean, "s").prefix
