@@ -121,12 +121,11 @@ class DrafterEngine(EngineCore[DrafterSession]):
         root_logits = cache.extend_chain(pending)[-1]
         if _drafts_on_device(session.kv, shape, request):
             tokens, rows = _draft_chain_on_device(cache, root_logits, len(shape), request, len(committed))
-            result = DraftResult(tokens=tokens, parents=sequence_parents(len(tokens)), forward_seconds=0.0,
-                                 reused_tokens=reused, cached_tokens=restored)
-            if request.want_distributions:  # lean rows stay on the device until DraftRows asks
-                result.draft_probs = rows if request.lean_rows else rows.to("cpu")
-            result.forward_seconds = cache.seconds
-            if request.lean_rows and result.draft_probs is not None:
+            # Lean rows stay on the device until DraftRows asks for some.
+            probs = (rows if request.lean_rows else rows.to("cpu")) if request.want_distributions else None
+            result = DraftResult(tokens=tokens, parents=sequence_parents(len(tokens)), draft_probs=probs,
+                                 forward_seconds=cache.seconds, reused_tokens=reused, cached_tokens=restored)
+            if request.lean_rows and probs is not None:
                 self._park(session, request.session_id, result)
             return result
         tree = _TreeFill(cache, request.sampling, shape, root_slot=len(pending) - 1, root_logits=root_logits)
