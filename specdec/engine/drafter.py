@@ -374,12 +374,21 @@ class _TreeFill:
 # ---------------------------------------------------------------------------------- chains on the device
 
 
+def _chains_alone(kv: TreeKVCache) -> bool:
+    """A pooled session whose engine serves no other call right now. A chain runs its k passes alone,
+    so beside other sessions the node-by-node fill is kept: its passes batch with theirs (k passes
+    for all of them, where chains would take k passes each)."""
+    runner = kv.runner
+    return (isinstance(kv, PooledTreeKVCache) and kv.pooled
+            and (runner is None or getattr(runner, "sole_member", True)))
+
+
 def _drafts_on_device(kv: TreeKVCache, shape: list[int], request: DraftRequest) -> bool:
     """Whether this draft runs as k chained passes on the pool with no host sync between them
     (_draft_chain_on_device): a sequence drafted from a seeded stream by a session that holds a
-    pool slot with room. Trees, races (ERSD draws its races on the CPU) and eager caches keep the
-    node-by-node fill."""
-    if not isinstance(kv, PooledTreeKVCache) or not kv.pooled or request.strategy != "sample":
+    pool slot with room, while no other session drafts (_chains_alone). Trees, races (ERSD draws its
+    races on the CPU) and eager caches keep the node-by-node fill."""
+    if not _chains_alone(kv) or request.strategy != "sample":
         return False
     passes = len(shape) - 1 + int(request.include_leaf_rows)
     return (len(shape) >= 1 and shape == sequence_parents(len(shape))
@@ -530,7 +539,7 @@ def _draft_branches(
 def _branches_on_device(kv: TreeKVCache, hypotheses: list[_Hypothesis], request: LookaheadRequest) -> bool:
     """Whether the look-ahead's branches run their k passes chained on the device
     (_draft_branches_on_device): seeded streams, a pool slot with room for every branch's k entries."""
-    if not isinstance(kv, PooledTreeKVCache) or not kv.pooled or request.strategy != "sample":
+    if not _chains_alone(kv) or request.strategy != "sample":
         return False
     return bool(hypotheses) and request.k > 0 and \
         kv.length + len(hypotheses) * request.k <= kv.pool.config.slot_tokens

@@ -157,6 +157,13 @@ class ForwardBatcher:
                 self._members -= 1
                 self._cond.notify_all()
 
+    @property
+    def sole_member(self) -> bool:
+        """Whether at most one call holds a session now (the caller's own, inside `member`): then no
+        other session's pass could join this one's, and a drafter may chain its passes alone."""
+        with self._cond:
+            return self._members <= 1 or not self.config.enabled
+
     @contextmanager
     def drafter_idle(self, idle: bool) -> Iterator[None]:
         """The passes this thread asks for meanwhile say whether the drafter is idle (ThreadWidths)."""

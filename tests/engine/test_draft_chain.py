@@ -105,6 +105,22 @@ def test_the_chain_is_used_only_for_seeded_sequences_on_a_slot_with_room(draft_m
     assert not _drafts_on_device(_kv(eager, "e"), chain.shape_parents, chain)
 
 
+def test_beside_another_call_the_fill_is_kept_so_the_passes_batch(draft_model, monkeypatch):
+    engine = DrafterEngine(draft_model, kv_pool=small_pool("cpu"))
+    chains = []
+    real_run_chain = type(engine.pool).run_chain
+    monkeypatch.setattr(type(engine.pool), "run_chain",
+                        lambda pool, *args: (chains.append(args[3]), real_run_chain(pool, *args))[1])
+    engine.draft(_request("s", 0, [1, 2, 3], 4, SAMPLINGS["t1"], seed=1))
+    assert chains == [3]
+    with engine._batcher.member():  # another call holds its session meanwhile
+        engine.draft(_request("s", 3, [4], 4, SAMPLINGS["t1"], seed=2))
+        engine.lookahead(_lookahead_request(session_id="l"))
+    assert chains == [3]
+    engine.draft(_request("s", 4, [5], 4, SAMPLINGS["t1"], seed=3))
+    assert chains == [3, 3]
+
+
 def test_lean_rows_of_a_chained_draft_are_the_fill_s_and_are_read_back_from_the_drafter(draft_model,
                                                                                       monkeypatch):
     chained, filled = _engines(draft_model)
