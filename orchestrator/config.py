@@ -106,6 +106,13 @@ class OrchestratorConfig(BaseSettings):
     # a fresh draft (on the default int8 pair one costs ~1.7 target steps; bench/RESULTS.md). False:
     # draft afresh after a miss, as requests with a fixed k do.
     predrafted_only: bool = True
+    # Hybrid drafting (`up`'s default source): the draft model drafts only while at most this many
+    # requests run at once; beyond, the hybrid's iterations are model-free or target-only. Where the
+    # drafter shares the verifier's cores (`up` on one machine) its passes beside a busy verifier cost
+    # the verifier more than they save (bench/RESULTS.md, "Draft model under load"); vLLM's
+    # --speculative-disable-by-batch-size is the same knob. 0: no limit. Seeded requests (replay)
+    # never look at it.
+    draft_model_max_requests: int = Field(0, ge=0)
     # At k = 0, a speculative iteration after this many target-only steps of the pair (all requests)
     # checks whether drafting pays again (each probe costs the drafter's catch-up over the context).
     adaptive_probe_every: int = Field(64, ge=1)

@@ -346,7 +346,7 @@ class Orchestrator:
         proposer = proposer_for(run, DraftingContext(
             self.config, lambda: self._pair_estimates(method), has_drafter=self.drafter is not None,
             suffix_cache=self.suffix_caches.of(run.settings.cache_partition),
-            source_estimates=self.source_estimates))
+            source_estimates=self.source_estimates, active_requests=lambda: self.admission.active))
         error: BaseException | None = None
         outage = StoreOutage(self.config.store_outage_grace_s)
         sent = len(state.generated)  # the tokens the client has (a resume's first chunk carries them)

@@ -44,6 +44,7 @@ class DraftingContext:
     has_drafter: bool = True  # False: the deployment has no draft model (`up --drafter none`)
     suffix_cache: SuffixCache | None = None  # the orchestrator's cache of recent requests (suffix, hybrid)
     source_estimates: SourceEstimates | None = None  # what model-free drafts were worth (hybrid)
+    active_requests: Callable[[], int] = lambda: 1  # requests running now (hybrid's load limit)
 
 
 ProposerFactory = Callable[[Run, DraftingContext], Proposer]
@@ -111,8 +112,18 @@ def _hybrid(run: Run, context: DraftingContext) -> HybridChooser:
     free: list[ModelFreeProposer] = [_lookup(run, context) if seeded else _suffix(run, context)]
     model = _model(run, context) if context.has_drafter else None
     estimates = context.source_estimates if context.source_estimates is not None else SourceEstimates()
-    return HybridChooser(free, model, estimates, timed=not seeded,
-                         sampled=run.settings.sampling.temperature > 0)
+    sampled = run.settings.sampling.temperature > 0
+    return HybridChooser(free, model, estimates, timed=not seeded, sampled=sampled,
+                         busy=draft_model_busy(context, seeded))
+
+
+def draft_model_busy(context: DraftingContext, seeded: bool) -> Callable[[], bool] | None:
+    """The hybrid's load test: more requests running than config.draft_model_max_requests; None when
+    there is no limit, or for a seeded request (its replay reads no other request)."""
+    limit = context.config.draft_model_max_requests
+    if not limit or seeded:
+        return None
+    return lambda: context.active_requests() > limit
 
 
 PROPOSERS: dict[str, ProposerFactory] = {

@@ -13,6 +13,11 @@ keeps the output's law like any draft length does (docs/algorithms.md §8, §15)
 asks for replay, so its choice reads no timings and no other request: the request's own n-grams
 (lookup) when they promise at least SEEDED_MIN_EXPECTED tokens, else the model.
 
+Under load (more requests running than OrchestratorConfig.draft_model_max_requests) the model does not
+plan: where the drafter shares the verifier's cores, its passes then cost the verifier's batched
+passes more than its drafts save. The choice reads the orchestrator's request count, never the
+output, so like a draft length it keeps the output's law; seeded requests never read it.
+
 Taking the model back costs something: after model-free turns (or at a request's start) the drafter
 must first take in every committed token it has not seen. A timed request lets the model draft
 again only when its expected saving over the rest of the request pays for that catch-up
@@ -22,7 +27,7 @@ again only when its expected saving over the rest of the request pays for that c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from orchestrator.adaptation import (
     PRIOR_SLOPE,
@@ -50,9 +55,12 @@ class HybridChooser(ProposerBase):
     source = DraftSource.HYBRID
 
     def __init__(self, free: Sequence[ModelFreeProposer], model: Proposer | None, estimates: SourceEstimates,
-                 *, timed: bool, sampled: bool = False) -> None:
+                 *, timed: bool, sampled: bool = False, busy: Callable[[], bool] | None = None) -> None:
+        """`busy()`: whether the deployment is too loaded for the draft model now (more requests run
+        than OrchestratorConfig.draft_model_max_requests); None: never."""
         self.free = {proposer.source: proposer for proposer in free}
         self.model = model
+        self.busy = busy
         self.estimates = estimates
         self.timed = timed  # False: a seeded request (no timings in the choice)
         # Greedy and sampled requests accept a draft differently: their records are kept apart.
@@ -63,7 +71,8 @@ class HybridChooser(ProposerBase):
         self._model_side_tokens = 0  # model-free draft (model_share)
 
     def plan(self, step: Step) -> Plan | None:
-        model_may = self.model is not None and self.model_pays(step)
+        model_may = self.model is not None and not (self.busy is not None and self.busy()) \
+            and self.model_pays(step)
         best: tuple[ModelFreeProposer, Proposal] | None = None
         best_rate = -math.inf
         for proposer in self.free.values():

@@ -31,7 +31,7 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
     "Speculation": (
         "--method", "--k", "--tree-budget", "--a", "--pipeline", "--pipeline-max-k", "--bonus-guesses",
         "--rejection-guesses", "--default-method", "--default-k", "--default-a", "--draft-rows",
-        "--adaptive-k", "--draft-source", "--cache-salt"),
+        "--adaptive-k", "--draft-source", "--draft-model-max-requests", "--cache-salt"),
     "Network": ("--address", "--host", "--port", "--drafter-port", "--verifier-port", "--drafter",
                 "--verifier", "--max-message-mb", "--timeout", "--peer-timeout"),
     "HTTP API (OpenAI-compatible)": ("--http-port", "--no-http", "--served-model-name", "--chat-template"),

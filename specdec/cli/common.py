@@ -93,7 +93,7 @@ def orchestrator_config(default_method: str | None = None, default_k: int | None
                         draft_rows: str | None = None, adaptive_k: bool | None = None,
                         max_active_requests: int | None = None, queue_timeout_s: float | None = None,
                         request_ttl_seconds: int | None = None, max_prompt_bytes: int | None = None,
-                        chat_template: str | None = None):
+                        chat_template: str | None = None, draft_model_max_requests: int | None = None):
     """OrchestratorConfig from the environment (SPECDEC_*), overridden by the options given."""
     from orchestrator.config import OrchestratorConfig
 
@@ -101,7 +101,7 @@ def orchestrator_config(default_method: str | None = None, default_k: int | None
              "store_url": store_url, "draft_rows": draft_rows, "adaptive_k": adaptive_k,
              "max_active_requests": max_active_requests, "queue_timeout_s": queue_timeout_s,
              "request_ttl_seconds": request_ttl_seconds, "max_prompt_bytes": max_prompt_bytes,
-             "chat_template": chat_template}
+             "chat_template": chat_template, "draft_model_max_requests": draft_model_max_requests}
     try:
         return OrchestratorConfig(**{key: value for key, value in given.items() if value is not None})
     except ValueError as exc:  # pydantic's ValidationError: one short line per bad field

@@ -45,6 +45,7 @@ from specdec.cli.options import (
     DefaultAOpt,
     DefaultKOpt,
     DefaultMethodOpt,
+    DraftModelMaxRequestsOpt,
     DraftRowsOpt,
     KvCacheOpt,
     KvSlotsOpt,
@@ -174,6 +175,7 @@ class OrchestratorLimits:
 
     draft_rows: DraftRowsOpt = None
     adaptive_k: AdaptiveKOpt = None
+    draft_model_max_requests: DraftModelMaxRequestsOpt = None
     max_active_requests: MaxActiveRequestsOpt = None
     queue_timeout: QueueTimeoutOpt = None
     request_ttl: RequestTtlOpt = None

@@ -190,6 +190,18 @@ PrefixCacheOpt = Annotated[float, typer.Option(
 AdmissionTimeoutOpt = Annotated[float, typer.Option(
     "--admission-timeout", min=0.0, help="Seconds a call that needs a new session waits for room while "
     "every session is busy and the KV budget or --max-sessions is full, before RESOURCE_EXHAUSTED.")]
+# `up` with both models on the CPU: the draft model drafts while at most this many requests run. Its
+# passes share the verifier's cores; on the 2-core EPYC, 4 clients on grounded prompts served 25.6
+# tok/s with no draft model against 17.4 with it (bench/RESULTS.md, "Draft model under load").
+UP_CPU_DRAFT_MODEL_MAX_REQUESTS = 1
+DraftModelMaxRequestsOpt = Annotated[int | None, typer.Option(
+    "--draft-model-max-requests", min=0, help=(
+        "Hybrid drafting (the default source): the draft model drafts only while at most this many "
+        "requests run at once; beyond, iterations use model-free drafts or target-only steps. Where "
+        "the drafter shares the verifier's cores, its passes beside a busy verifier cost more than "
+        "they save. 0: no limit. Seeded requests ignore it (replay). Default: "
+        f"$SPECDEC_DRAFT_MODEL_MAX_REQUESTS, else 0 ({UP_CPU_DRAFT_MODEL_MAX_REQUESTS} under `up` with "
+        "both models on the CPU)."), show_default=False)]
 MaxActiveRequestsOpt = Annotated[int | None, typer.Option(
     "--max-active-requests", min=1, help=(
         "Requests the orchestrator runs at once; later ones wait in arrival order for up to "

@@ -408,7 +408,8 @@ def serve_orchestrator(
         config = orchestrator_config(defaults.default_method, defaults.default_k, defaults.default_a,
                                      store_url, limits.draft_rows, limits.adaptive_k,
                                      limits.max_active_requests, limits.queue_timeout, limits.request_ttl,
-                                     limits.max_prompt_bytes, read_chat_template(chat_template))
+                                     limits.max_prompt_bytes, read_chat_template(chat_template),
+                                     limits.draft_model_max_requests)
         # Checked by the options; the command line wins over the variables.
         if defaults.draft_source is not None:
             config = config.model_copy(update={"draft_source": defaults.draft_source})

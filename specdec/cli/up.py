@@ -30,6 +30,7 @@ from specdec.cli.option_groups import (
     takes_option_groups,
 )
 from specdec.cli.options import (
+    UP_CPU_DRAFT_MODEL_MAX_REQUESTS,
     AuthTokenFileOpt,
     ChatTemplateOpt,
     DtypeOpt,
@@ -75,6 +76,15 @@ class UpTelemetry(Telemetry):
     metrics_port: Annotated[int | None, typer.Option(
         "--metrics-port", help="Prometheus /metrics of the orchestrator on this port, the drafter on +1, the "
         "verifier on +2 (0 = any free ports). Default: no metrics endpoints.", show_default=False)] = None
+
+
+def up_draft_model_max_requests(given: int | None, drafter_device: str, verifier_device: str) -> int | None:
+    """The orchestrator's --draft-model-max-requests under `up`: the flag, else (when
+    $SPECDEC_DRAFT_MODEL_MAX_REQUESTS is unset) UP_CPU_DRAFT_MODEL_MAX_REQUESTS where both models share
+    the CPU; None leaves it to the orchestrator's own default."""
+    if given is not None or os.environ.get("SPECDEC_DRAFT_MODEL_MAX_REQUESTS"):
+        return given
+    return UP_CPU_DRAFT_MODEL_MAX_REQUESTS if drafter_device == verifier_device == "cpu" else None
 
 
 @takes_option_groups
@@ -293,6 +303,8 @@ def up(
                                 ("--default-k", defaults.default_k), ("--default-a", defaults.default_a),
                                 ("--draft-source", draft_source), ("--store-url", store_url),
                                 ("--draft-rows", limits.draft_rows),
+                                ("--draft-model-max-requests", up_draft_model_max_requests(
+                                    limits.draft_model_max_requests, drafter_device, verifier_device)),
                                 ("--max-active-requests", limits.max_active_requests),
                                 ("--queue-timeout", limits.queue_timeout),
                                 ("--request-ttl", limits.request_ttl),

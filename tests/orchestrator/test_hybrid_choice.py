@@ -183,6 +183,25 @@ def test_the_hybrid_takes_the_model_back_only_when_its_catch_up_pays() -> None:
     assert hybrid(timed=False).plan(_step(lag=335, catch_up_seconds=4.2)) == "model plan"  # replay: untimed
 
 
+def test_under_load_the_model_does_not_plan_and_seeded_requests_never_look() -> None:
+    from orchestrator.drafting import DraftingContext, draft_model_busy
+
+    load = {"active": 8}
+
+    def hybrid(limit: int = 4, seeded: bool = False) -> HybridChooser:
+        context = DraftingContext(SimpleNamespace(draft_model_max_requests=limit),  # type: ignore[arg-type]
+                                  lambda: None, active_requests=lambda: load["active"])  # type: ignore[arg-type,return-value]
+        return HybridChooser([_NoMatch()], _Model(), _step_estimates(), timed=not seeded,  # type: ignore[list-item]
+                             busy=draft_model_busy(context, seeded))
+
+    steady = _step(lag=0, catch_up_seconds=0.0)
+    assert hybrid().plan(steady) is None  # 8 requests run, at most 4 may have the model: target-only
+    assert hybrid(seeded=True).plan(steady) == "model plan"  # replay reads no load
+    assert hybrid(limit=0).plan(steady) == "model plan"  # no limit
+    load["active"] = 4
+    assert hybrid().plan(steady) == "model plan"
+
+
 class _ProposesEveryOther:
     """A model-free source with a proposal at every second prefix only."""
 
