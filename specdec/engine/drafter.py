@@ -429,10 +429,7 @@ def _draft_chain_on_device(cache: _TimedCache, root_logits: torch.Tensor, k: int
             kv.pool.run_chain(kv.slot, kv.length, first, passes, lambda _, logits: sample(logits))
 
     began = time.perf_counter()
-    if kv.runner is not None:
-        kv.runner.alone(run)
-    else:
-        run()
+    kv.alone(run)
     tokens = [int(t) for t in torch.stack(picks).tolist()]  # the one wait for the device
     if -1 in tokens:  # the support ran out: the sequence stops before that row's pick
         tokens = tokens[: tokens.index(-1)]
@@ -586,10 +583,7 @@ def _draft_branches_on_device(
                 tokens = [0] * width  # placeholders: the picks are read after the last step
 
     began = time.perf_counter()
-    if kv.runner is not None:
-        kv.runner.alone(run)
-    else:
-        run()
+    kv.alone(run)
     picked = torch.stack(picks, dim=1).tolist()  # [width, k]: the one wait for the device
     for depth in range(1, k):  # the block's bookkeeping gets the tokens the passes were fed
         for j in range(width):

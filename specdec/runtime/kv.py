@@ -393,14 +393,19 @@ class TreeKVCache:
             return
         # Each chunk runs alone (its causal mask is the model's own, no [q, kv] mask materialised
         # here); other sessions' passes may run between two chunks.
-        if self.runner is not None:
-            self.runner.alone(lambda: self.causal_pass(tokens, device))
-        else:
-            self.causal_pass(tokens, device)
+        self.alone(lambda: self.causal_pass(tokens, device))
         self.prefix = self.prefix + tokens
         if self.physical_len() != self.prefix_len:
             raise CacheError("the model did not append one cache entry per input token")
         self.publish()
+
+    def alone(self, run: Callable[[], None]) -> None:
+        """Run `run` (passes with masks of their own) between batched passes: through the runner when
+        there is one, else here."""
+        if self.runner is not None:
+            self.runner.alone(run)
+        else:
+            run()
 
     def causal_pass(self, tokens: list[int], device: torch.device) -> None:
         """Append `tokens`' entries after the cached ones in one pass with the model's own causal

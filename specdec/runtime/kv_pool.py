@@ -494,10 +494,7 @@ class PooledTreeKVCache(TreeKVCache):
         def run() -> None:
             self.pool.prefill(slot, cached, tokens)
 
-        if self.runner is not None:
-            self.runner.alone(run)
-        else:
-            run()
+        self.alone(run)
         self.length += len(tokens)
         self.prefix = self.prefix + [int(t) for t in tokens]
         self.publish()
