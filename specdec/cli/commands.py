@@ -37,8 +37,8 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
     "HTTP API (OpenAI-compatible)": ("--http-port", "--no-http", "--served-model-name", "--chat-template"),
     "Capacity, batching and store": (
         "--max-sessions", "--session-ttl", "--kv-cache-mb", "--prefix-cache-mb", "--admission-timeout",
-        "--batching", "--max-batch-tokens", "--batch-window-ms", "--batch-layout", "--max-active-requests",
-        "--queue-timeout",
+        "--batching", "--max-batch-tokens", "--batch-window-ms", "--batch-window-share", "--batch-layout",
+        "--max-active-requests", "--queue-timeout",
         "--request-ttl", "--max-prompt-bytes", "--store-url", "--store-timeout", "--store-outage-grace",
         "--max-requests-per-caller", "--stream-idle-timeout"),
     "Security (TLS, tokens)": (

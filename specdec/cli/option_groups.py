@@ -41,6 +41,7 @@ from specdec.cli.options import (
     BatchingOpt,
     BatchLayoutOpt,
     BatchWindowOpt,
+    BatchWindowShareOpt,
     CudaGraphsOpt,
     DefaultAOpt,
     DefaultKOpt,
@@ -74,6 +75,7 @@ from specdec.defaults import DEFAULT_DRAFT_SOURCE, DEFAULT_MAX_MESSAGE_MB, DRAFT
 from specdec.runtime.batch_config import (
     DEFAULT_BATCH_LAYOUT,
     DEFAULT_BATCH_WINDOW_MS,
+    DEFAULT_BATCH_WINDOW_SHARE,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_POOL_SLOTS,
     DEFAULT_SLOT_TOKENS,
@@ -142,6 +144,7 @@ class EngineBatching:
     batching: BatchingOpt = True
     max_batch_tokens: MaxBatchTokensOpt = DEFAULT_MAX_BATCH_TOKENS
     batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS
+    batch_window_share: BatchWindowShareOpt = DEFAULT_BATCH_WINDOW_SHARE
     batch_layout: BatchLayoutOpt = DEFAULT_BATCH_LAYOUT
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_BATCH_TOKENS = 512
 DEFAULT_BATCH_WINDOW_MS = 10.0
+# ... or this share of a recent batched pass's time, where that is longer (ForwardBatcher.window_seconds).
+DEFAULT_BATCH_WINDOW_SHARE = 0.1
 # The KV pool of captured passes on CUDA (specdec.runtime.kv_pool): sessions held, entries each.
 DEFAULT_POOL_SLOTS = 8
 DEFAULT_SLOT_TOKENS = 4096
@@ -27,7 +29,8 @@ class BatchConfig:
     max_batch_tokens: at most this many query rows in one pass (padding included); a call that
     alone exceeds it runs alone. window_ms: how long a pass that could take more work waits for
     calls still on their way: calls holding a session, and the sessions of the last two passes that
-    have not queued again (specdec.runtime.batching). layout: "ragged" lays the calls' new entries
+    have not queued again (specdec.runtime.batching); window_share: or this share of a recent pass's
+    time, where that is longer (0: window_ms alone). layout: "ragged" lays the calls' new entries
     end to end (no padding) and lets a prompt's prefill chunks join other sessions' passes, where
     the model's attention allows (specdec.runtime.ragged); "padded" pads every call to the widest
     and prefills each chunk in a pass of its own (the layout before ragged passes).
@@ -37,12 +40,15 @@ class BatchConfig:
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     window_ms: float = DEFAULT_BATCH_WINDOW_MS
     layout: str = DEFAULT_BATCH_LAYOUT
+    window_share: float = DEFAULT_BATCH_WINDOW_SHARE
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if not 0 <= self.window_ms <= 1000:
             raise ValueError(f"window_ms must lie in [0, 1000], got {self.window_ms}")
+        if not 0 <= self.window_share <= 1:
+            raise ValueError(f"window_share must lie in [0, 1], got {self.window_share}")
         if self.layout not in BATCH_LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(BATCH_LAYOUTS)}, got {self.layout!r}")
 

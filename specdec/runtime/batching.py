@@ -118,6 +118,11 @@ class PassShape:
     rows: int  # query rows of the pass, padding included (a ragged pass has none)
 
 
+# Weight of the newest batched pass in the mean pass time behind the gather window: a pass that
+# carries a prefill chunk (3× a decode pass here) moves the window by a fifth of the difference.
+PASS_SECONDS_WEIGHT = 0.2
+
+
 class ForwardBatcher:
     """Runs the passes of many TreeKVCaches over one model, batching concurrent ones."""
 
@@ -143,6 +148,7 @@ class ForwardBatcher:
         # Held weakly: a session released since (its request ended) is no longer waited for.
         self._recent: tuple[weakref.WeakSet[TreeKVCache], weakref.WeakSet[TreeKVCache]] = (
             weakref.WeakSet(), weakref.WeakSet())
+        self._pass_seconds = 0.0  # a decaying mean of the batched passes' times (the gather window)
 
     # the engines' side ------------------------------------------------------------------------
     @contextmanager
@@ -247,8 +253,9 @@ class ForwardBatcher:
     def _take(self) -> list[_Job]:
         """The next pass's jobs (called with the lock held; may wait up to the gather window)."""
         config = self.config
-        if config.enabled and config.window_ms > 0:
-            deadline = self.clock() + config.window_ms / 1000
+        window = self.window_seconds()
+        if config.enabled and window > 0:
+            deadline = self.clock() + window
             # Other calls hold sessions but have not queued yet, or sessions of the last passes have
             # not come back yet: give them a moment to join. Without the second, clients that missed
             # one pass kept missing every other one: their next calls always arrived while the
@@ -278,6 +285,15 @@ class ForwardBatcher:
             widest, rows, chunks = wider, rows + job.positions, chunks + job.prefill
             self._queue.remove(job)
         return batch
+
+    def window_seconds(self) -> float:
+        """How long a pass may wait for calls on their way: BatchConfig.window_ms, or the window's share
+        of a recent pass where that is longer. A call that misses a pass waits for the whole next
+        one, so the wait that pays grows with the pass: on a CPU (passes of 0.4 s for 8 clients) a
+        10 ms window let 4 of 8 calls join a pass, 40 ms let 6 (bench/RESULTS.md, "The gather
+        window"); on a GPU's 10 ms passes the floor decides."""
+        config = self.config
+        return max(config.window_ms / 1000, config.window_share * self._pass_seconds)
 
     def _queued_positions(self) -> int:
         return sum(job.positions for job in self._queue)
@@ -324,6 +340,7 @@ class ForwardBatcher:
 
     def _count(self, batch: list[_Job], seconds: float, ragged: bool) -> None:
         self._recent = (self._recent[1], weakref.WeakSet(job.kv for job in batch if job.kv is not None))
+        self._pass_seconds += PASS_SECONDS_WEIGHT * (seconds - self._pass_seconds)
         positions = [job.positions for job in batch]
         rows = sum(positions) if ragged else len(batch) * max(positions)
         for job in batch:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import ForwardBatcher, _Job
+from specdec.runtime.batching import PASS_SECONDS_WEIGHT, ForwardBatcher, _Job
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.scoring import commit_path, prepare, score_tree, tree_block
 from specdec.trees import DraftTree
@@ -233,3 +233,39 @@ def _shared_pass(batcher: ForwardBatcher, kvs: list[TreeKVCache]) -> None:
     for job in jobs:
         assert job.error is None and job.kv is not None and job.plan is not None
         job.kv.apply(job.plan)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.0])
+def test_the_window_grows_with_the_passes_by_its_share(tiny, share):
+    """The gather window is the longer of window_ms and window_share × the recent passes' mean time:
+    with passes of ~0.9 s and share 1, a call 0.2 s late still joins the pass; with share 0 (window_ms
+    0) the leader does not wait and the late call gets a pass of its own."""
+    model = tiny.model
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=0, window_share=share))
+    kvs = [TreeKVCache(model, runner=batcher) for _ in range(2)]
+    jobs = [_Job(kv=kv, plan=kv.plan([1], [-1], 0)) for kv in kvs]
+    batcher._execute(jobs)
+    for job in jobs:
+        job.kv.apply(job.plan)
+    start = batcher._pass_seconds  # the real pass's time (tiny model: milliseconds)
+    for _ in range(10):  # ten slow passes' worth of time: the mean moves a fifth of the way each
+        batcher._count(jobs, 1.0, False)
+    mean = 1.0 - (1 - PASS_SECONDS_WEIGHT) ** 10 * (1.0 - start)
+    assert batcher.window_seconds() == pytest.approx(share * mean, rel=1e-6)
+    before = batcher.stats.batches
+
+    def late_second() -> None:
+        time.sleep(0.2)
+        kvs[1].extend([2], [-1], 0)
+
+    thread = threading.Thread(target=late_second)
+    thread.start()
+    kvs[0].extend([2], [-1], 0)
+    thread.join(JOIN_S)
+    assert batcher.stats.batches == before + (1 if share else 2)
+
+
+def test_the_window_share_is_checked():
+    with pytest.raises(ValueError, match="window_share"):
+        BatchConfig(window_share=1.5)
+    assert BatchConfig().window_share == 0.1 and BatchConfig().window_ms == 10.0
