@@ -72,7 +72,8 @@ def prompts(count: int) -> list[str]:
 
 
 def start_up(trace: Path | None, ready: Path, log: Path, args: list[str]) -> subprocess.Popen:
-    """`specdec up` on free ports (spans to `trace` when given); returns once it is ready."""
+    """`specdec up` on free ports, its HTTP door too (spans to `trace` when given); returns once it is
+    ready."""
     argv = [
         sys.executable,
         "-m",
@@ -83,6 +84,8 @@ def start_up(trace: Path | None, ready: Path, log: Path, args: list[str]) -> sub
         "--drafter-port",
         "0",
         "--verifier-port",
+        "0",
+        "--http-port",
         "0",
         "--ready-file",
         str(ready),
