@@ -445,11 +445,17 @@ def drafter_catch_up_pays(*, remaining_tokens: int, share: float, step_seconds: 
     rest of the request (tokens on its side × (a target-only step's time − its time per token))
     exceeds the catch-up's time. A catch-up holds the iteration (the look-ahead waits for it) and,
     beside a prefill, slows the target's own pass: measured, a 335-token prompt's catch-up took about
-    3.4 s and doubled the target's prefill (bench/RESULTS.md, "The draft model's catch-up"). With
-    anything unmeasured (nan) the model drafts: that is how it gets measured."""
-    if not all(math.isfinite(v) for v in (step_seconds, model_rate, catch_up_seconds)) or model_rate <= 0:
+    3.4 s and doubled the target's prefill (bench/RESULTS.md, "The draft model's catch-up").
+
+    With the model's own rate unmeasured (a fresh server) it drafts, since that is how it gets
+    measured, unless even a free model could not pay: its saving is at most a whole target-only step
+    a token. On a fresh server's first code edit that bound refuses a catch-up of the prompt that
+    cost 1.9 s, where model-free drafts had made most of the tokens (bench/RESULTS.md, "The first
+    requests of a fresh server"). With the step or the catch-up unmeasured (nan) the model drafts."""
+    if not all(math.isfinite(v) for v in (step_seconds, catch_up_seconds)):
         return True
-    saving_per_token = step_seconds - 1.0 / model_rate
+    measured = math.isfinite(model_rate) and model_rate > 0
+    saving_per_token = step_seconds - 1.0 / model_rate if measured else step_seconds
     return remaining_tokens * share * saving_per_token > catch_up_seconds
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
+
 from orchestrator.adaptation import (
     MODEL_SHARE_PRIOR,
     REQUEST_FORGET,
@@ -104,10 +106,23 @@ def test_catch_up_pays_only_when_the_expected_saving_exceeds_it() -> None:
     # a model slower than a target-only step never pays for a catch-up
     assert not drafter_catch_up_pays(remaining_tokens=10_000, share=1.0, catch_up_seconds=0.01,
                                      step_seconds=0.14, model_rate=5.0)
-    # unmeasured: the model drafts (that is how it gets measured)
+    # unmeasured step or catch-up: the model drafts (that is how it gets measured)
     assert drafter_catch_up_pays(remaining_tokens=1, share=0.0, catch_up_seconds=99.0, step_seconds=math.nan,
                                  model_rate=8.7)
     assert drafter_catch_up_pays(remaining_tokens=1, share=0.0, catch_up_seconds=math.nan, **common)
+
+
+@pytest.mark.parametrize("rate", [math.nan, 0.0])
+def test_an_unmeasured_model_is_tried_unless_even_a_free_one_could_not_pay(rate) -> None:
+    """Its rate unknown, the model's saving is bounded by a whole step a token: an open prompt's
+    start (share 1) tries it, a code edit whose tokens came from model-free drafts (share 0.2) does
+    not take in a 335-token prompt for it (the fresh server's first request, bench/RESULTS.md)."""
+    common = {"step_seconds": 0.09, "model_rate": rate}
+    assert drafter_catch_up_pays(remaining_tokens=128, share=1.0, catch_up_seconds=3.8, **common)
+    assert not drafter_catch_up_pays(remaining_tokens=66, share=0.2, catch_up_seconds=3.8, **common)
+    # the bound itself: pays exactly when remaining × share × step exceeds the catch-up
+    assert drafter_catch_up_pays(remaining_tokens=100, share=0.5, catch_up_seconds=4.4, **common)
+    assert not drafter_catch_up_pays(remaining_tokens=100, share=0.5, catch_up_seconds=4.6, **common)
 
 
 def test_model_share_starts_at_one_and_follows_the_request() -> None:
