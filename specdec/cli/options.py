@@ -160,6 +160,10 @@ BatchWindowOpt = Annotated[float, typer.Option(
     "--batch-window-ms", min=0.0, max=1000.0, help="How long a pass waits for calls still on their way "
     "before it starts: calls holding a session, and sessions of the last two passes that have not queued "
     "again (a lone client never waits); longer where --batch-window-share says so.")]
+BatchWindowShareOpt = Annotated[float, typer.Option(
+    "--batch-window-share", min=0.0, max=1.0, help="The same wait as a share of the recent batched passes' "
+    "mean time, where that is longer than --batch-window-ms: a call that misses a pass waits for the whole "
+    "next one, so the wait that pays grows with the pass (0: --batch-window-ms alone).")]
 # Engine defaults, spelled out: the CLI starts without torch (specdec.engine.sessions.SessionConfig's and
 # orchestrator.config's defaults; a test checks they agree).
 DEFAULT_MAX_SESSIONS = 1024
@@ -179,10 +183,6 @@ KvCacheOpt = Annotated[float, typer.Option(
         "turned into tokens from the model's layers, KV heads, head size and dtype. Idle sessions are "
         "evicted least recently used first to stay within it; when only busy sessions hold it, a call that "
         "needs a new session waits up to --admission-timeout, then gets RESOURCE_EXHAUSTED."))]
-BatchWindowShareOpt = Annotated[float, typer.Option(
-    "--batch-window-share", min=0.0, max=1.0, help="...or this share of a recent batched pass's time, where "
-    "that is longer: a call that misses a pass waits for the whole next one, so the wait that pays grows "
-    "with the pass (0: --batch-window-ms alone).")]
 DEFAULT_PREFIX_CACHE_MB = 512.0
 PrefixCacheOpt = Annotated[float, typer.Option(
     "--prefix-cache-mb", min=0.0, help=(
