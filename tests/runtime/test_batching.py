@@ -184,18 +184,9 @@ def test_a_pass_waits_briefly_for_the_sessions_of_the_last_passes(tiny):
     kvs = [TreeKVCache(model, runner=batcher) for _ in range(2)]
     _shared_pass(batcher, kvs)
     before = batcher.stats.batches
-
-    def late_second() -> None:
-        time.sleep(0.2)
-        kvs[1].extend([2], [-1], 0)
-
-    thread = threading.Thread(target=late_second)
-    thread.start()
-    began = time.monotonic()
-    kvs[0].extend([2], [-1], 0)
-    thread.join(JOIN_S)
+    seconds = _second_call_late(kvs)
     assert batcher.stats.batches == before + 1, "the two calls shared one pass"
-    assert time.monotonic() - began < 1.5
+    assert seconds < 1.5
 
     # Only session 0 comes back now: the leader waits out the window once or twice, then runs alone.
     quick = ForwardBatcher(model, BatchConfig(window_ms=100))
@@ -226,13 +217,30 @@ def test_a_released_session_is_not_waited_for(tiny):
     assert time.monotonic() - began < 0.5, "the pass waited for a released session"
 
 
-def _shared_pass(batcher: ForwardBatcher, kvs: list[TreeKVCache]) -> None:
-    """One batched pass in which every cache appends one token."""
+def _shared_pass(batcher: ForwardBatcher, kvs: list[TreeKVCache]) -> list[_Job]:
+    """One batched pass in which every cache appends one token; its jobs."""
     jobs = [_Job(kv=kv, plan=kv.plan([1], [-1], 0)) for kv in kvs]
     batcher._execute(jobs)
     for job in jobs:
         assert job.error is None and job.kv is not None and job.plan is not None
         job.kv.apply(job.plan)
+    return jobs
+
+
+def _second_call_late(kvs: list[TreeKVCache], late_s: float = 0.2) -> float:
+    """Cache 0 appends a token now and cache 1 `late_s` later, from another thread; seconds until
+    both calls returned."""
+
+    def late_second() -> None:
+        time.sleep(late_s)
+        kvs[1].extend([2], [-1], 0)
+
+    thread = threading.Thread(target=late_second)
+    thread.start()
+    began = time.monotonic()
+    kvs[0].extend([2], [-1], 0)
+    thread.join(JOIN_S)
+    return time.monotonic() - began
 
 
 @pytest.mark.parametrize("share", [1.0, 0.0])
@@ -243,25 +251,14 @@ def test_the_window_grows_with_the_passes_by_its_share(tiny, share):
     model = tiny.model
     batcher = ForwardBatcher(model, BatchConfig(window_ms=0, window_share=share))
     kvs = [TreeKVCache(model, runner=batcher) for _ in range(2)]
-    jobs = [_Job(kv=kv, plan=kv.plan([1], [-1], 0)) for kv in kvs]
-    batcher._execute(jobs)
-    for job in jobs:
-        job.kv.apply(job.plan)
+    jobs = _shared_pass(batcher, kvs)
     start = batcher._pass_seconds  # the real pass's time (tiny model: milliseconds)
     for _ in range(10):  # ten slow passes' worth of time: the mean moves a fifth of the way each
         batcher._count(jobs, 1.0, False)
     mean = 1.0 - (1 - PASS_SECONDS_WEIGHT) ** 10 * (1.0 - start)
     assert batcher.window_seconds() == pytest.approx(share * mean, rel=1e-6)
     before = batcher.stats.batches
-
-    def late_second() -> None:
-        time.sleep(0.2)
-        kvs[1].extend([2], [-1], 0)
-
-    thread = threading.Thread(target=late_second)
-    thread.start()
-    kvs[0].extend([2], [-1], 0)
-    thread.join(JOIN_S)
+    _second_call_late(kvs)
     assert batcher.stats.batches == before + (1 if share else 2)
 
 
