@@ -22,11 +22,10 @@ import json
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.bench_grounded import environment, prompt_ids, specdec_run
+from bench.bench_grounded import prompt_ids, specdec_run, start_server
 from bench.grounded_prompts import Item, workload_items
 from bench.machine import cpu_model
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
@@ -40,7 +39,7 @@ def pick_items(names: list[str]) -> list[Item]:
     for name in names:
         workload, _, kind = name.partition("/")
         items = workload_items([workload], 1).get(workload, [])
-        match = next((item for item in items if item.kind == kind or item.id.startswith(kind)), None)
+        match = next((item for item in items if item.kind == kind), None)
         if match is None:
             known = ", ".join(f"{workload}/{item.kind}" for item in items)
             raise SystemExit(f"--prompts: no prompt {name!r} (known: {known})")
@@ -70,7 +69,6 @@ async def serve_three(address: str, order: list[tuple[Item, list[int]]], args: a
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.bench_serving import SpecdecServer
     from specdec.models import resolve_model
     from specdec.runtime.tokenizers import load_tokenizer
 
@@ -83,13 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for flip in (False, True):
             order = [(item, ids[item.id]) for item in (items[::-1] if flip else items)]
             name = f"r{rnd}{'b' if flip else 'a'}"
-            up_args = ["--draft", args.draft, "--target", args.target, "--dtype", args.dtype,
-                       *shlex.split(args.extra_up_args)]
-            server = SpecdecServer(name, up_args, args.out)
-            began = time.perf_counter()
-            with environment(SPECDEC_USE_CALIBRATION="false"):
-                server.start()
-            print(f"[{name}] ready in {time.perf_counter() - began:.1f} s", flush=True)
+            server = start_server("A", name, args, None, print)  # `up` with the draft model, uncalibrated
             try:
                 served = asyncio.run(serve_three(server.info["orchestrator"], order, args, name))
             finally:
