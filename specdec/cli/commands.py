@@ -38,6 +38,7 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
     "Capacity, batching and store": (
         "--max-sessions", "--session-ttl", "--kv-cache-mb", "--prefix-cache-mb", "--admission-timeout",
         "--batching", "--max-batch-tokens", "--batch-window-ms", "--batch-window-share", "--batch-layout",
+        "--prefill-chunk-share",
         "--max-active-requests", "--queue-timeout",
         "--request-ttl", "--max-prompt-bytes", "--store-url", "--store-timeout", "--store-outage-grace",
         "--max-requests-per-caller", "--stream-idle-timeout"),

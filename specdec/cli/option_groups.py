@@ -57,6 +57,7 @@ from specdec.cli.options import (
     MaxPromptBytesOpt,
     MaxRequestsPerCallerOpt,
     MaxSessionsOpt,
+    PrefillChunkShareOpt,
     PrefixCacheOpt,
     QueueTimeoutOpt,
     RequestTtlOpt,
@@ -78,6 +79,7 @@ from specdec.runtime.batch_config import (
     DEFAULT_BATCH_WINDOW_SHARE,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_POOL_SLOTS,
+    DEFAULT_PREFILL_CHUNK_SHARE,
     DEFAULT_SLOT_TOKENS,
 )
 
@@ -146,6 +148,7 @@ class EngineBatching:
     batch_window_ms: BatchWindowOpt = DEFAULT_BATCH_WINDOW_MS
     batch_window_share: BatchWindowShareOpt = DEFAULT_BATCH_WINDOW_SHARE
     batch_layout: BatchLayoutOpt = DEFAULT_BATCH_LAYOUT
+    prefill_chunk_share: PrefillChunkShareOpt = DEFAULT_PREFILL_CHUNK_SHARE
 
 
 @dataclasses.dataclass(frozen=True)

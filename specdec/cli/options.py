@@ -164,6 +164,11 @@ BatchWindowShareOpt = Annotated[float, typer.Option(
     "--batch-window-share", min=0.0, max=1.0, help="The same wait as a share of the recent batched passes' "
     "mean time, where that is longer than --batch-window-ms: a call that misses a pass waits for the whole "
     "next one, so the wait that pays grows with the pass (0: --batch-window-ms alone).")]
+PrefillChunkShareOpt = Annotated[float, typer.Option(
+    "--prefill-chunk-share", min=0.0, max=16.0, help="While other sessions decode, a prompt's prefill chunk "
+    "joins their pass (ragged layout) cut to add at most this share of a decode pass's time to it, both "
+    "measured by the engine (at least 16 tokens): at 1, nobody's next token waits much more than two "
+    "decode passes for another's prompt. Alone, a prompt goes in whole chunks. 0: whole chunks always.")]
 # Engine defaults, spelled out: the CLI starts without torch (specdec.engine.sessions.SessionConfig's and
 # orchestrator.config's defaults; a test checks they agree).
 DEFAULT_MAX_SESSIONS = 1024

@@ -288,7 +288,7 @@ def _engine_command(role: str, default_model: str, default_port: int, summary: s
         refuse_open_engine(role, host, security, insecure_engine)
         observability = telemetry.options(security.cert, security.key, auth_token_file)
         batching = BatchConfig(batch.batching, batch.max_batch_tokens, batch.batch_window_ms,
-                               batch.batch_layout, batch.batch_window_share)
+                               batch.batch_layout, batch.batch_window_share, batch.prefill_chunk_share)
         template_limits = TemplateLimits(max_template_bytes=max_chat_template_kb * 1024,
                                          timeout_s=chat_template_timeout)
         serve_engine(role, model=model, host=host, port=port, device=device, dtype=dtype, threads=threads,

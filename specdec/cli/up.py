@@ -262,6 +262,7 @@ def up(
               "--max-batch-tokens", str(batch.max_batch_tokens),
               "--batch-window-ms", str(batch.batch_window_ms),
               "--batch-window-share", str(batch.batch_window_share), "--batch-layout", batch.batch_layout,
+              "--prefill-chunk-share", str(batch.prefill_chunk_share),
               "--kv-cache-mb", str(capacity.kv_cache_mb),
               "--prefix-cache-mb", str(capacity.prefix_cache_mb),
               "--admission-timeout", str(capacity.admission_timeout),

@@ -11,6 +11,10 @@ DEFAULT_MAX_BATCH_TOKENS = 512
 DEFAULT_BATCH_WINDOW_MS = 10.0
 # ... or this share of a recent batched pass's time, where that is longer (ForwardBatcher.window_seconds).
 DEFAULT_BATCH_WINDOW_SHARE = 0.1
+# While other sessions decode, a prompt's prefill chunk adds at most this share of a decode pass's time
+# to the pass it joins (ForwardBatcher.prefill_chunk_tokens); 0: whole chunks always.
+DEFAULT_PREFILL_CHUNK_SHARE = 1.0
+MAX_PREFILL_CHUNK_SHARE = 16.0
 # The KV pool of captured passes on CUDA (specdec.runtime.kv_pool): sessions held, entries each.
 DEFAULT_POOL_SLOTS = 8
 DEFAULT_SLOT_TOKENS = 4096
@@ -30,7 +34,9 @@ class BatchConfig:
     alone exceeds it runs alone. window_ms: how long a pass that could take more work waits for
     calls still on their way: calls holding a session, and the sessions of the last two passes that
     have not queued again (specdec.runtime.batching); window_share: or this share of a recent pass's
-    time, where that is longer (0: window_ms alone). layout: "ragged" lays the calls' new entries
+    time, where that is longer (0: window_ms alone). prefill_chunk_share: while other sessions
+    decode, a prompt's prefill chunk is cut so that it adds at most this share of a decode pass's
+    measured time to the pass it joins (0: whole chunks). layout: "ragged" lays the calls' new entries
     end to end (no padding) and lets a prompt's prefill chunks join other sessions' passes, where
     the model's attention allows (specdec.runtime.ragged); "padded" pads every call to the widest
     and prefills each chunk in a pass of its own (the layout before ragged passes).
@@ -41,6 +47,7 @@ class BatchConfig:
     window_ms: float = DEFAULT_BATCH_WINDOW_MS
     layout: str = DEFAULT_BATCH_LAYOUT
     window_share: float = DEFAULT_BATCH_WINDOW_SHARE
+    prefill_chunk_share: float = DEFAULT_PREFILL_CHUNK_SHARE
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1:
@@ -49,6 +56,9 @@ class BatchConfig:
             raise ValueError(f"window_ms must lie in [0, 1000], got {self.window_ms}")
         if not 0 <= self.window_share <= 1:
             raise ValueError(f"window_share must lie in [0, 1], got {self.window_share}")
+        if not 0 <= self.prefill_chunk_share <= MAX_PREFILL_CHUNK_SHARE:
+            raise ValueError(f"prefill_chunk_share must lie in [0, {MAX_PREFILL_CHUNK_SHARE:g}], "
+                             f"got {self.prefill_chunk_share}")
         if self.layout not in BATCH_LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(BATCH_LAYOUTS)}, got {self.layout!r}")
 

@@ -27,7 +27,10 @@ Where the model's attention allows (specdec.runtime.ragged) a pass is ragged ins
 new entries lie end to end in one row, with no padding, and each session's attention runs over its
 own keys. Then a prompt's prefill chunks (TreeKVCache.prefill) join other sessions' passes too,
 one chunk a pass, so a decoding session waits at most one chunk's rows for another's prompt (the
-padded layout prefills each chunk in a pass of its own, between batched passes).
+padded layout prefills each chunk in a pass of its own, between batched passes). While other
+sessions decode, the chunk is cut to what adds a set share of a decode pass's measured time
+(`prefill_chunk_tokens`): a whole chunk (256 rows on a CPU whose wide int8 kernel starts there)
+made the 8-client passes it joined 4× a decode pass, and their tokens waited that long.
 
 Threads: every pass runs on one thread, the engine's ComputeThread, whichever call leads it: a
 process whose torch work moves between threads runs it far slower (specdec.runtime.compute_thread).
@@ -120,7 +123,16 @@ class PassShape:
 
 # Weight of the newest batched pass in the mean pass time behind the gather window: a pass that
 # carries a prefill chunk (3× a decode pass here) moves the window by a fifth of the difference.
+# The same weight keeps the decode pass's time and a chunk row's time (prefill_chunk_tokens).
 PASS_SECONDS_WEIGHT = 0.2
+# The fewest prompt tokens a cut prefill chunk carries: below this an int8 pass's rows cost more
+# each (the weights are read for few rows) and a prompt would take many passes.
+MIN_PREFILL_CHUNK = 16
+
+
+def _decayed(mean: float | None, sample: float) -> float:
+    """`mean` moved PASS_SECONDS_WEIGHT of the way to `sample` (the first sample as it is)."""
+    return sample if mean is None else mean + PASS_SECONDS_WEIGHT * (sample - mean)
 
 
 class ForwardBatcher:
@@ -149,6 +161,13 @@ class ForwardBatcher:
         self._recent: tuple[weakref.WeakSet[TreeKVCache], weakref.WeakSet[TreeKVCache]] = (
             weakref.WeakSet(), weakref.WeakSet())
         self._pass_seconds = 0.0  # a decaying mean of the batched passes' times (the gather window)
+        # For prefill_chunk_tokens: decaying means of a pass without prefill rows and of what a
+        # prompt row adds to a pass (_prompt_row_seconds); and the sessions that decoded in the last
+        # two passes that had decode rows (held weakly, as _recent: a released session drops out).
+        self._decode_pass_seconds: float | None = None
+        self._prefill_row_seconds: float | None = None
+        self._recent_decoders: tuple[weakref.WeakSet[TreeKVCache], weakref.WeakSet[TreeKVCache]] = (
+            weakref.WeakSet(), weakref.WeakSet())
 
     # the engines' side ------------------------------------------------------------------------
     @contextmanager
@@ -221,6 +240,23 @@ class ForwardBatcher:
         if not self._ragged:
             raise RuntimeError("prefill chunks join passes only in ragged passes")
         self._submit(_Job(kv=kv, plan=plan, prefill=True))
+
+    def prefill_chunk_tokens(self, kv: TreeKVCache, whole: int) -> int:
+        """How many prompt tokens `kv`'s next prefill chunk should carry (at most `whole`). While
+        other sessions decode (rows in the last two passes with decode rows, or a call queued), the
+        chunk joins their pass and they wait for it: it is cut to adding at most
+        BatchConfig.prefill_chunk_share × a decode pass's time (both measured here), never below
+        MIN_PREFILL_CHUNK. Alone, or before anything is measured, or at share 0: `whole`. The cut
+        changes no row at int8 (a prefix's rows do not depend on the passes it took, §14)."""
+        share = self.config.prefill_chunk_share
+        with self._cond:
+            decode, row = self._decode_pass_seconds, self._prefill_row_seconds
+            decoding = [session for passed in self._recent_decoders for session in passed]
+            decoding += [job.kv for job in self._queue if job.kv is not None and not job.prefill]
+            others = any(session is not kv for session in decoding)
+        if not (self._ragged and share > 0 and others and decode and row):
+            return whole
+        return max(MIN_PREFILL_CHUNK, min(whole, int(share * decode / row)))
 
     # leading ----------------------------------------------------------------------------------
     def _submit(self, job: _Job) -> _Job:
@@ -340,9 +376,18 @@ class ForwardBatcher:
 
     def _count(self, batch: list[_Job], seconds: float, ragged: bool) -> None:
         self._recent = (self._recent[1], weakref.WeakSet(job.kv for job in batch if job.kv is not None))
+        decoders = weakref.WeakSet(job.kv for job in batch if job.kv is not None and not job.prefill)
+        if decoders:  # a pass of prefill chunks alone leaves the last decoders waiting, not gone
+            self._recent_decoders = (self._recent_decoders[1], decoders)
         self._pass_seconds += PASS_SECONDS_WEIGHT * (seconds - self._pass_seconds)
         positions = [job.positions for job in batch]
         rows = sum(positions) if ragged else len(batch) * max(positions)
+        prompt_rows = sum(job.positions for job in batch if job.prefill)
+        if prompt_rows:
+            self._prefill_row_seconds = _decayed(self._prefill_row_seconds,
+                                                 self._prompt_row_seconds(seconds, rows, prompt_rows))
+        else:
+            self._decode_pass_seconds = _decayed(self._decode_pass_seconds, seconds)
         for job in batch:
             job.pass_calls, job.pass_rows = len(batch), rows
         stats = self.stats
@@ -352,6 +397,16 @@ class ForwardBatcher:
         stats.batch_positions += sum(positions)
         stats.batch_seconds += seconds
         stats.largest_batch = max(stats.largest_batch, len(batch))
+
+    def _prompt_row_seconds(self, seconds: float, rows: int, prompt_rows: int) -> float:
+        """What one prompt row added to a pass of `seconds` with `rows` rows, `prompt_rows` of them a
+        prefill chunk's: beside decode rows, the pass's time beyond a decode pass's (at least a
+        quarter of the pass's time a row, so one fast pass does not make the next chunk huge); a
+        chunk alone, its time a row."""
+        decode = self._decode_pass_seconds
+        if prompt_rows == rows or decode is None:
+            return seconds / rows
+        return max(seconds - decode, 0.25 * seconds * prompt_rows / rows) / prompt_rows
 
     # the batched pass -------------------------------------------------------------------------
     def _batched_pass(self, batch: list[_Job]) -> list[torch.Tensor]:

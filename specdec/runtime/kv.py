@@ -57,6 +57,8 @@ class ForwardRunner(Protocol):
 
     def prefill(self, kv: TreeKVCache, plan: ExtendPlan) -> None: ...
 
+    def prefill_chunk_tokens(self, kv: TreeKVCache, whole: int) -> int: ...
+
 
 # A prompt is prefilled in passes of at most this many tokens. On the CPU, 128: a pass's
 # temporaries stay in cache ([128, 17920] for the default target's MLP), and a 500-token prompt
@@ -378,10 +380,20 @@ class TreeKVCache:
         if not tokens:
             return
         device, _ = model_device_dtype(self.model)
-        chunk = prefill_chunk(device, self.model)
+        whole = prefill_chunk(device, self.model)
         tokens = [int(t) for t in tokens]
-        for begin in range(0, len(tokens), chunk):
-            self._prefill_chunk(tokens[begin:begin + chunk], device)
+        begin = 0
+        while begin < len(tokens):
+            size = self._chunk_tokens(whole)
+            self._prefill_chunk(tokens[begin:begin + size], device)
+            begin += size
+
+    def _chunk_tokens(self, whole: int) -> int:
+        """The next prefill chunk's tokens: `whole`, or fewer where the chunk joins other sessions'
+        passes and the runner cuts it so that they do not wait long (ForwardBatcher.prefill_chunk_tokens)."""
+        if self.runner is None or not getattr(self.runner, "joins_prefill", False):
+            return whole
+        return max(1, min(whole, self.runner.prefill_chunk_tokens(self, whole)))
 
     def _prefill_chunk(self, tokens: list[int], device: torch.device) -> None:
         if self.runner is not None and getattr(self.runner, "joins_prefill", False):

@@ -122,7 +122,8 @@ def test_up_passes_the_capacity_options_to_its_children(tmp_path, monkeypatch) -
     monkeypatch.setattr(processes, "port_in_use", lambda host, port: False)
     result = CliRunner().invoke(app, ["up", "--no-pin", "--kv-cache-mb", "512", "--admission-timeout", "5",
                                       "--max-sessions", "64", "--max-active-requests", "8",
-                                      "--queue-timeout", "2.5"], env={"COLUMNS": "220"})
+                                      "--queue-timeout", "2.5", "--prefill-chunk-share", "0.5"],
+                                env={"COLUMNS": "220"})
     assert result.exit_code == 0, result.output
     for role in ("drafter", "verifier"):
         args = captured[role]
@@ -132,7 +133,7 @@ def test_up_passes_the_capacity_options_to_its_children(tmp_path, monkeypatch) -
         assert args[args.index("--max-sessions") + 1] == "64"
         params = _command("serve", role).make_context(role, args[1:]).params
         assert params["kv_cache_mb"] == 512.0 and params["admission_timeout"] == 5.0
-        assert params["max_sessions"] == 64
+        assert params["max_sessions"] == 64 and params["prefill_chunk_share"] == 0.5
     args = captured["orchestrator"]
     params = _command("serve", "orchestrator").make_context("orchestrator", args[1:]).params
     assert (params["max_active_requests"], params["queue_timeout"]) == (8, 2.5)

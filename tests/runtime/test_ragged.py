@@ -2,11 +2,13 @@
 
 At int8 a session's rows and cache entries from a ragged pass are bitwise those of a pass of its
 own, prefill chunks included; a failed pass leaves every cache as it was; a pass takes at most one
-prefill chunk; a model whose attention cannot be wrapped keeps the padded layout.
+prefill chunk, cut while others decode to a share of their pass; a model whose attention cannot be
+wrapped keeps the padded layout.
 """
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 
@@ -15,7 +17,7 @@ import torch
 
 from specdec.runtime import kv as kv_module
 from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import ForwardBatcher, _Job
+from specdec.runtime.batching import MIN_PREFILL_CHUNK, ForwardBatcher, _Job
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import quantize_int8
 from specdec.runtime.ragged import RAGGED_PREFIX, use_ragged_attention
@@ -228,3 +230,70 @@ def test_wrapping_changes_no_other_pass(tiny_dir):
         after = model(input_ids=ids).logits
     assert torch.equal(before, after)
 
+
+
+def _decoded_once(batcher: ForwardBatcher, model) -> TreeKVCache:
+    """A session that has just had a decode pass in `batcher` (it counts as decoding)."""
+    kv = TreeKVCache(model, runner=batcher)
+    with torch.inference_mode():
+        kv.extend_chain([1, 2, 3])
+    return kv
+
+
+@pytest.mark.parametrize("share, cut", [(1.0, 80), (0.5, 40), (0.1, MIN_PREFILL_CHUNK), (0.0, 256)])
+def test_a_chunk_beside_a_decoding_session_adds_its_share_of_a_decode_pass(int8_model, share, cut):
+    """A decode pass of 0.4 s and 5 ms a row: at share 1 a chunk of 80 rows, at 0.5 of 40, never
+    below MIN_PREFILL_CHUNK; share 0, nothing measured, or nobody else decoding: the whole chunk."""
+    batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0, prefill_chunk_share=share))
+    prompt = TreeKVCache(int8_model, runner=batcher)
+    assert batcher.prefill_chunk_tokens(prompt, 256) == 256  # nobody decodes yet
+    decoder = _decoded_once(batcher, int8_model)
+    assert batcher._decode_pass_seconds is not None and batcher._prefill_row_seconds is None
+    assert batcher.prefill_chunk_tokens(prompt, 256) == 256  # a prompt row's time is not measured yet
+    batcher._decode_pass_seconds, batcher._prefill_row_seconds = 0.4, 0.005
+    assert batcher.prefill_chunk_tokens(prompt, 256) == cut
+    assert batcher.prefill_chunk_tokens(prompt, 64) == min(64, cut)
+    assert batcher.prefill_chunk_tokens(decoder, 256) == 256  # its own decoding makes no one wait
+    del decoder
+    gc.collect()
+    assert batcher.prefill_chunk_tokens(prompt, 256) == 256  # released: no one decodes any more
+
+
+@pytest.mark.parametrize("share, sizes", [(1.0, [16, 16, 16, 16, 6]), (0.0, [64, 6])])
+def test_a_prompt_beside_a_decoder_goes_in_cut_chunks_and_gets_the_cache_of_whole_ones(
+        int8_model, monkeypatch, share, sizes):
+    """With a decoder waiting, a 70-token prompt goes in chunks of MIN_PREFILL_CHUNK (a decode pass
+    measured as all but free) instead of 64 (the negative control: share 0); at int8 its cache and
+    next row are bitwise those of a prefill of its own in whole chunks."""
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK_CPU", 64)
+    model = int8_model
+    monkeypatch.setattr(model, "specdec_int8_wide_rows", None, raising=False)
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=0, prefill_chunk_share=share))
+    seen: list[int] = []
+    prefill = batcher.prefill
+
+    def recording(kv, plan):
+        seen.append(len(plan.tokens))
+        prefill(kv, plan)
+
+    monkeypatch.setattr(batcher, "prefill", recording)
+    decoder = _decoded_once(batcher, model)
+    batcher._decode_pass_seconds, batcher._prefill_row_seconds = 1e-9, 1e-3
+    prompt = [(3 * i + 2) % VOCAB for i in range(70)]
+    with torch.inference_mode():
+        kv = TreeKVCache(model, runner=batcher)
+        kv.prefill(prompt)
+        own = TreeKVCache(model)
+        own.prefill(prompt)
+        assert seen == sizes and kv.prefix == own.prefix == prompt
+        assert _same(_entries(kv), _entries(own))
+        assert torch.equal(kv.extend_chain([5]), own.extend_chain([5]))
+    assert decoder.prefix_len == 0  # still alive (and decoding) through the prefill
+
+
+def test_the_prefill_chunk_share_is_checked():
+    with pytest.raises(ValueError, match="prefill_chunk_share"):
+        BatchConfig(prefill_chunk_share=-0.5)
+    with pytest.raises(ValueError, match="prefill_chunk_share"):
+        BatchConfig(prefill_chunk_share=17)
+    assert BatchConfig().prefill_chunk_share == 1.0
