@@ -400,13 +400,13 @@ class ForwardBatcher:
 
     def _prompt_row_seconds(self, seconds: float, rows: int, prompt_rows: int) -> float:
         """What one prompt row added to a pass of `seconds` with `rows` rows, `prompt_rows` of them a
-        prefill chunk's: beside decode rows, the pass's time beyond a decode pass's (at least a
-        quarter of the pass's time a row, so one fast pass does not make the next chunk huge); a
-        chunk alone, its time a row."""
+        prefill chunk's: beside decode rows, the pass's time beyond a decode pass's over its prompt
+        rows, but at least a quarter of the pass's mean time per row (so one pass faster than the
+        mean decode pass does not make the next chunk huge); a chunk alone, its time per row."""
         decode = self._decode_pass_seconds
         if prompt_rows == rows or decode is None:
             return seconds / rows
-        return max(seconds - decode, 0.25 * seconds * prompt_rows / rows) / prompt_rows
+        return max((seconds - decode) / prompt_rows, 0.25 * seconds / rows)
 
     # the batched pass -------------------------------------------------------------------------
     def _batched_pass(self, batch: list[_Job]) -> list[torch.Tensor]:

@@ -63,7 +63,8 @@ class ForwardRunner(Protocol):
 # A prompt is prefilled in passes of at most this many tokens. On the CPU, 128: a pass's
 # temporaries stay in cache ([128, 17920] for the default target's MLP), and a 500-token prompt
 # took 2.70 s against 2.85 s in one pass (2-vCPU EPYC, int8, bench/RESULTS.md); the rows are
-# bitwise those of one pass at int8 (§14). Elsewhere 512. Either way a long prompt's attention
+# bitwise those of one pass at int8 (§14). Elsewhere 512. Fewer while other sessions decode beside the
+# chunk (ForwardBatcher.prefill_chunk_tokens). Either way a long prompt's attention
 # scores are [heads, chunk, context], not [heads, context, context].
 PREFILL_CHUNK_CPU = 128
 PREFILL_CHUNK_OTHER = 512
