@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     up_args = ["--draft", args.draft, "--target", args.target, "--dtype", args.dtype,
                "--http-port", str(http_port), *args.up_args]
     say(f"starting specdec up {' '.join(up_args)}")
-    process = start_up(None, args.out / "up.ready.json", args.out / "up.log", up_args)
+    process = start_up(args.out / "trace.jsonl" if args.trace else None, args.out / "up.ready.json", args.out / "up.log", up_args)
     try:
         info = json.loads((args.out / "up.ready.json").read_text())
         client = openai.OpenAI(base_url=f"{info['http'].rstrip('/')}/v1", api_key="none", timeout=600)
@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens of each assistant answer")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/results/prefix"))
+    parser.add_argument("--trace", action="store_true",
+                        help="spans of every service to OUT/trace.jsonl (what each first iteration did)")
     parser.add_argument("--up-args", nargs=argparse.REMAINDER, default=[],
                         help="more `specdec up` options (last on the line)")
     args = parser.parse_args(argv)
