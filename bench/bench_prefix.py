@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     up_args = ["--draft", args.draft, "--target", args.target, "--dtype", args.dtype,
                "--http-port", str(http_port), *args.up_args]
     say(f"starting specdec up {' '.join(up_args)}")
-    process = start_up(args.out / "trace.jsonl" if args.trace else None, args.out / "up.ready.json", args.out / "up.log", up_args)
+    trace = args.out / "trace.jsonl" if args.trace else None
+    process = start_up(trace, args.out / "up.ready.json", args.out / "up.log", up_args)
     try:
         info = json.loads((args.out / "up.ready.json").read_text())
         client = openai.OpenAI(base_url=f"{info['http'].rstrip('/')}/v1", api_key="none", timeout=600)
