@@ -3,11 +3,11 @@
     python -m bench.itl_gaps trace-serving-specdec-T0.jsonl [--top 20]
 
 A gap is the time between two iterations of one request that emitted tokens (as a streaming client
-sees it, without the network; the first token is TTFT, not a gap). Printed: the gap percentiles, the
-gaps by the iteration's draft source, and the longest gaps with what their verifier call carried
-how many verifier calls ended with it and how long the longest of them took (calls of one batched
-pass end within 50 ms, so a gap that many requests share is one slow pass), and the prompts the verifier
-was taking in meanwhile (calls in flight that sent more than 16 new tokens). This is
+sees it, without the network; the first token is TTFT, not a gap). Printed: the gap percentiles (as
+bench.bench_serving computes ITL), the gaps by the iteration's draft source, and the longest gaps,
+each with how many verifier calls ended with it and how long the longest of them took (calls of one
+batched pass end within 50 ms, so a gap that many requests share is one slow pass), and the prompts
+the verifier was taking in meanwhile (calls in flight that sent more than 16 new tokens). This is
 how the 256-row prefill chunks behind ITL p99 were found (bench/RESULTS.md, "Prefill chunks sized
 by the decode pass").
 """
@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.bench_serving import percentile
+
 SAME_PASS_NS = 50_000_000  # verifier calls that end this close together ran in one pass (their replies
 # reach the orchestrator some milliseconds apart)
 PROMPT_TOKENS = 16  # a verifier call that sends more new tokens than this takes in a prompt
@@ -35,7 +37,6 @@ class Gap:
     end_ns: int
     request: str
     source: str  # the iteration's draft source; "target-only" without one
-    emitted: int
 
 
 def read_spans(path: Path) -> list[dict]:
@@ -57,14 +58,8 @@ def gaps(spans: Iterable[dict]) -> list[Gap]:
             attributes = after["attributes"]
             out.append(Gap((after["end_ns"] - before["end_ns"]) / 1e9, after["end_ns"],
                            str(attributes.get("specdec.request_id", "")),
-                           str(attributes.get("specdec.source") or "target-only"),
-                           int(attributes.get("specdec.emitted", 0))))
+                           str(attributes.get("specdec.source") or "target-only")))
     return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def report(spans: list[dict], top: int) -> str:
@@ -72,8 +67,9 @@ def report(spans: list[dict], top: int) -> str:
     if not found:
         return "no gaps: the trace has no request with two iterations that emitted tokens"
     seconds = [gap.seconds for gap in found]
+    p99 = percentile(seconds, 99)
     lines = [f"{len(found)} gaps: p50 {percentile(seconds, 50):.3f} s, p90 {percentile(seconds, 90):.3f} s, "
-             f"p99 {percentile(seconds, 99):.3f} s, max {max(seconds):.3f} s", "", "by draft source:"]
+             f"p99 {p99:.3f} s, max {max(seconds):.3f} s", "", "by draft source:"]
     by_source: dict[str, list[float]] = defaultdict(list)
     for gap in found:
         by_source[gap.source].append(gap.seconds)
@@ -81,12 +77,13 @@ def report(spans: list[dict], top: int) -> str:
         lines.append(f"  {source}: {len(values)} gaps, median {statistics.median(values):.3f} s, "
                      f"p99 {percentile(values, 99):.3f} s")
     verifies = [span for span in spans if span["name"] == "verifier.verify"]
+
     def prompts_in_flight(gap: Gap) -> list[int]:
         return [span["attributes"].get("specdec.append_tokens", 0) for span in verifies
                 if span["start_ns"] < gap.end_ns < span["end_ns"] + SAME_PASS_NS
                 and span["attributes"].get("specdec.append_tokens", 0) > PROMPT_TOKENS]
 
-    tail = [gap for gap in found if gap.seconds >= percentile(seconds, 99)]
+    tail = [gap for gap in found if gap.seconds >= p99]
     lines.append(f"gaps from p99 up: {len(tail)}, of them {sum(bool(prompts_in_flight(g)) for g in tail)} "
                  "while the verifier took in a prompt")
     lines += ["", f"the {top} longest gaps: the verifier calls that ended with them (one pass), and the "
