@@ -379,7 +379,7 @@ class ForwardBatcher:
         decoders = weakref.WeakSet(job.kv for job in batch if job.kv is not None and not job.prefill)
         if decoders:  # a pass of prefill chunks alone leaves the last decoders waiting, not gone
             self._recent_decoders = (self._recent_decoders[1], decoders)
-        self._pass_seconds += PASS_SECONDS_WEIGHT * (seconds - self._pass_seconds)
+        self._pass_seconds = _decayed(self._pass_seconds, seconds)
         positions = [job.positions for job in batch]
         rows = sum(positions) if ragged else len(batch) * max(positions)
         prompt_rows = sum(job.positions for job in batch if job.prefill)
