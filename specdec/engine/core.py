@@ -52,7 +52,7 @@ class EngineCore(Generic[S]):
         return self.loaded.info
 
     def release(self, session_id: str) -> bool:
-        return self.sessions.release(session_id)
+        return self.sessions.release(session_id, None if self.prefix_cache is None else _store_tail)
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: the session store's (sessions, evictions, …), the batcher's, the
@@ -64,3 +64,9 @@ class EngineCore(Generic[S]):
 
     def _own_stats(self) -> dict[str, int]:
         return {}
+
+
+def _store_tail(session) -> None:
+    """A released session's last, partial block goes to the prefix cache: the next turn of its
+    conversation resends these tokens (TreeKVCache.publish_tail)."""
+    session.kv.publish_tail()

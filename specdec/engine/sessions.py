@@ -289,11 +289,19 @@ class SessionStore(Generic[S]):
         entry.alive = False
         self._kv_tokens -= entry.size
 
-    def release(self, session_id: str) -> bool:
-        """Forget a session (its cache is freed once no call holds it). True if it existed."""
+    def release(self, session_id: str, ending: Callable[[S], None] | None = None) -> bool:
+        """Forget a session (its cache is freed once no call holds it). True if it existed.
+        `ending` sees the state of a session no call holds first (what it keeps for later
+        sessions); a failure there is logged and the session goes all the same."""
         with self._lock:
-            if session_id not in self._entries:
+            entry = self._entries.get(session_id)
+            if entry is None:
                 return False
+            if ending is not None and not entry.busy:
+                try:
+                    ending(entry.state)
+                except Exception:
+                    log.exception("ending session %s failed", session_id)
             self._drop(session_id)
             self.released += 1
             self._room.notify_all()

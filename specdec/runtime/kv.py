@@ -462,8 +462,9 @@ class TreeKVCache:
             return 0
         first = have // size
         keys = block_keys(link.partition, tokens, size)
-        found = link.store.lookup(keys[first:])
-        end = (first + len(found)) * size
+        found = link.store.lookup(keys[first:], tokens[first * size:],
+                                  keys[first - 1] if first else root_key(link.partition))
+        end = first * size + sum(block.tokens for block in found)
         if end <= have:
             return 0
         self.truncate(first * size)
@@ -471,7 +472,7 @@ class TreeKVCache:
                    torch.cat([block.states[i][1] for block in found], dim=-2))
                   for i in range(len(found[0].states))]
         self.append_prefix(tokens[first * size:end], states)
-        link.published[:] = keys[:first + len(found)]  # this prefix's blocks up to `end` are offered
+        link.published[:] = keys[:end // size]  # this prefix's full blocks up to `end` are offered
         return end - have
 
     def append_prefix(self, tokens: Sequence[int], states: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -506,3 +507,19 @@ class TreeKVCache:
                 link.store.store(key, [(keys[..., begin:end, :].clone(), values[..., begin:end, :].clone())
                                        for keys, values in states])  # type: ignore[misc]
             published.append(key)
+
+    def publish_tail(self) -> None:
+        """Offer the prefix's last, partial block too (once the session ends: a conversation's next
+        turn resends these tokens, and finds them under `tail_key` after the full blocks)."""
+        link = self.prefix_link
+        if link is None:
+            return
+        self.publish()
+        begin = len(link.published) * link.store.block_tokens
+        if begin >= self.prefix_len:
+            return
+        link.store.store_tail(link.published[-1] if link.published else root_key(link.partition),
+                              self.prefix[begin:],
+                              [(keys[..., begin:self.prefix_len, :].clone(),
+                                values[..., begin:self.prefix_len, :].clone())
+                               for keys, values in self.layer_states()])  # type: ignore[misc]

@@ -4,7 +4,10 @@ Entries are kept in blocks of BLOCK_TOKENS tokens at block-aligned positions. A 
 chained SHA-256: key(i) = H(key(i − 1) ‖ tokens of block i), with key(−1) = H(partition). So a key
 names the partition and every token from position 0 to the block's end, which are all a block's
 keys and values depend on (docs/algorithms.md §16). A lookup walks the prompt's blocks from the
-start and stops at the first miss: the hit is the longest cached block-aligned prefix.
+start and stops at the first miss: the hit is the longest cached block-aligned prefix, then as much
+of the partial block stored after it as the prompt agrees with. A session stores its last, partial
+block when it ends (`tail_key`), so a conversation's next turn, which resends that session's tokens
+and more, goes on from its last cached entry instead of its last block boundary.
 
 Sessions copy a hit into their own cache (a contiguous buffer, or a slot of the CUDA pool), so the
 attention kernels, the captured graphs and the exact float64 attention of int8 models see the same
@@ -47,6 +50,13 @@ def next_key(previous: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(previous + array("q", tokens).tobytes()).digest()
 
 
+def tail_key(previous: bytes) -> bytes:
+    """The key of the partial block stored after the block keyed `previous` (one per block: the
+    block itself holds its tokens, and a lookup takes as many of them as the prompt agrees with, so
+    a session whose last tokens the next prompt does not resend still gives the rest)."""
+    return hashlib.sha256(b"specdec-tail\x00" + previous).digest()
+
+
 def block_keys(partition: str, tokens: Sequence[int], block: int = BLOCK_TOKENS) -> list[bytes]:
     """Keys of every full block of `tokens`, in order."""
     keys, key = [], root_key(partition)
@@ -60,6 +70,12 @@ def block_keys(partition: str, tokens: Sequence[int], block: int = BLOCK_TOKENS)
 class PrefixBlock:
     states: LayerStates
     nbytes: int
+    token_ids: tuple[int, ...] = ()  # a partial block's tokens (its key does not name them)
+
+    @property
+    def tokens(self) -> int:
+        """Entries held: the store's block size, or fewer for a session's last, partial block."""
+        return self.states[0][0].shape[-2]
 
 
 class PrefixStore:
@@ -93,25 +109,43 @@ class PrefixStore:
         with self._lock:
             return key in self._blocks
 
-    def lookup(self, keys: Sequence[bytes]) -> list[PrefixBlock]:
-        """The stored blocks of the longest run of `keys` from the first (a chain's keys in order)."""
+    def lookup(self, keys: Sequence[bytes], tokens: Sequence[int] = (), previous: bytes | None = None
+               ) -> list[PrefixBlock]:
+        """The stored blocks of the longest run of `keys` from the first (a chain's keys in order).
+
+        Given `previous`, the key before `keys[0]`, and `tokens`, the tokens from `keys[0]`'s block
+        on, the run may end in a partial block: the one stored after where the full blocks stopped
+        (`tail_key`: a session's last block, stored when it ended), as far as `tokens` agree with it.
+        """
         with self._lock:
             found: list[PrefixBlock] = []
+            used: list[bytes] = []
             for key in keys:
                 block = self._blocks.get(key)
                 if block is None:
                     break
                 found.append(block)
-            for key in reversed(keys[:len(found)]):  # the head of the chain ends most recently used
+                used.append(key)
+            tail = 0
+            if previous is not None:
+                key = tail_key(used[-1] if used else previous)
+                block = self._blocks.get(key)
+                if block is not None:
+                    tail = _agreeing(block.token_ids, tokens[len(found) * self.block_tokens:])
+                    if tail:
+                        found.append(block if tail == block.tokens else PrefixBlock(
+                            [(k[..., :tail, :], v[..., :tail, :]) for k, v in block.states], 0))
+                        used.append(key)
+            for key in reversed(used):  # the head of the chain ends most recently used
                 self._blocks.move_to_end(key)
-            if keys:
+            if keys or tail:
                 self.lookups += 1
                 self.hits += bool(found)
-                self.queried_tokens += len(keys) * self.block_tokens
-                self.hit_tokens += len(found) * self.block_tokens
+                self.queried_tokens += len(keys) * self.block_tokens + tail
+                self.hit_tokens += sum(block.tokens for block in found)
             return found
 
-    def store(self, key: bytes, states: LayerStates) -> bool:
+    def store(self, key: bytes, states: LayerStates, token_ids: tuple[int, ...] = ()) -> bool:
         """Keep a block (its tensors must be the store's own: nothing may write them afterwards).
         False when it is there already or cannot fit at all."""
         nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in states)
@@ -125,10 +159,26 @@ class PrefixStore:
                 _, evicted = self._blocks.popitem(last=False)
                 self.bytes -= evicted.nbytes
                 self.evictions += 1
-            self._blocks[key] = PrefixBlock(states, nbytes)
+            self._blocks[key] = PrefixBlock(states, nbytes, token_ids)
             self.bytes += nbytes
             self.stored_blocks += 1
             return True
+
+    def store_tail(self, previous: bytes, tokens: Sequence[int], states: LayerStates) -> bool:
+        """Keep a session's last, partial block (fewer tokens than a block) after the block keyed
+        `previous`, in place of the one stored there before (the most recent conversation wins)."""
+        if not 0 < len(tokens) < self.block_tokens:
+            raise ValueError(f"a partial block holds 1 to {self.block_tokens - 1} tokens, got {len(tokens)}")
+        key = tail_key(previous)
+        with self._lock:
+            stored = self._blocks.get(key)
+            if stored is not None and stored.token_ids == tuple(tokens):
+                self._blocks.move_to_end(key)
+                return False
+            if stored is not None:
+                del self._blocks[key]
+                self.bytes -= stored.nbytes
+        return self.store(key, states, tuple(int(t) for t in tokens))
 
     def clear(self) -> None:
         with self._lock:
@@ -149,6 +199,12 @@ class PrefixStore:
                 "prefix_cache_stored_blocks": self.stored_blocks,
                 "prefix_cache_evictions": self.evictions,
             }
+
+
+def _agreeing(first: Sequence[int], second: Sequence[int]) -> int:
+    """How many leading tokens the two agree on."""
+    return next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b),
+                min(len(first), len(second)))
 
 
 @dataclass

@@ -114,6 +114,25 @@ def test_release_and_stats():
     }
 
 
+def test_release_ends_an_idle_session_only_and_goes_on_when_ending_fails():
+    """The engines keep a released session's last partial block (EngineCore.release): only from a
+    session no call holds, and a failure there loses the block, not the release."""
+    store, _ = make_store()
+    ended: list[dict] = []
+    with store.use("idle", 0) as state:
+        state["n"] = 1
+    assert store.release("idle", ended.append) and ended == [{"n": 1}]
+    with store.use("busy", 0):
+        assert store.release("busy", ended.append) and len(ended) == 1
+    with store.use("broken", 0):
+        pass
+
+    def broken(state: dict) -> None:
+        raise RuntimeError("boom")
+
+    assert store.release("broken", broken) and store.stats()["released"] == 3
+
+
 def test_release_while_waiting_for_the_lock_raises_session_gone():
     store, _ = make_store()
     errors: list[BaseException] = []

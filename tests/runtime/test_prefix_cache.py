@@ -10,7 +10,7 @@ import torch
 
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import quantize_int8
-from specdec.runtime.prefix_cache import PrefixLink, PrefixStore, block_keys
+from specdec.runtime.prefix_cache import PrefixLink, PrefixStore, block_keys, root_key
 from specdec.runtime.scoring import commit_path, score_tree
 from specdec.runtime.tiny import build_tiny_model
 from specdec.trees import DraftTree
@@ -52,6 +52,30 @@ def test_lookup_finds_the_longest_stored_run_from_the_first_block():
     assert stats["prefix_cache_lookups"] == 3 and stats["prefix_cache_hits"] == 2
     assert stats["prefix_cache_hit_tokens"] == 3 * BLOCK and stats["prefix_cache_bytes"] == 3 * BLOCK_BYTES
     assert not store.store(keys[0], _states(5))  # stored once
+
+
+def test_a_partial_block_goes_on_from_where_the_full_blocks_stop():
+    store = PrefixStore(max_bytes=10 * BLOCK_BYTES, block_tokens=BLOCK)
+    tokens = list(range(3 * BLOCK + 5))
+    keys = block_keys("", tokens, BLOCK)
+    store.store(keys[0], _states(0))
+    store.store_tail(keys[0], tokens[BLOCK:BLOCK + 5], _states(7, tokens=5))  # block 1 is missing
+    found = store.lookup(keys, tokens, root_key(""))
+    assert [block.tokens for block in found] == [BLOCK, 5] and float(found[1].states[0][0][0, 0, 0, 0]) == 7.0
+    assert [block.tokens for block in store.lookup(keys)] == [BLOCK]  # without the tokens: full blocks only
+    other = tokens[:BLOCK + 3] + [99] + tokens[BLOCK + 4:]  # the prompt parts from the tail's 4th token
+    assert [b.tokens for b in store.lookup(block_keys("", other, BLOCK), other, root_key(""))] == [BLOCK, 3]
+    assert [b.tokens for b in store.lookup(keys[:1], tokens[:BLOCK + 2], root_key(""))] == [BLOCK, 2]  # short
+    store.store_tail(root_key(""), tokens[:3], _states(8, tokens=3))
+    assert [b.tokens for b in store.lookup([], tokens[:5], root_key(""))] == [3]  # a tail from the root
+    assert not store.lookup([], tokens[:3], root_key("b"))  # another partition's root
+    assert store.stats()["prefix_cache_hit_tokens"] == (BLOCK + 5) + BLOCK + (BLOCK + 3) + (BLOCK + 2) + 3
+    assert not store.store_tail(root_key(""), tokens[:3], _states(9, tokens=3))  # the same tail: kept
+    assert store.store_tail(root_key(""), [5, 6], _states(9, tokens=2))  # another: replaces it
+    assert [b.tokens for b in store.lookup([], [5, 6, 7], root_key(""))] == [2]
+    assert store.bytes == BLOCK_BYTES * (1 + 5 / BLOCK + 2 / BLOCK) and len(store) == 3
+    with pytest.raises(ValueError, match="partial block"):
+        store.store_tail(root_key(""), tokens[:BLOCK], _states(1))
 
 
 def test_eviction_is_least_recently_used_within_the_bytes_and_keeps_a_chains_head():
@@ -158,6 +182,45 @@ def test_generated_tokens_enter_the_cache_as_they_settle():
         reader = _cache(model, store)
         warm = score_tree(reader, follow, DraftTree((), ()))
     assert warm.restored == (len(committed) - 1) // BLOCK * BLOCK == 24
+
+
+def _chat_turn(kv: TreeKVCache, prompt: list[int], steps: int) -> list[int]:
+    """Target-only steps from `prompt` (greedy): the committed tokens, prompt and answer."""
+    committed = list(prompt)
+    for _ in range(steps):
+        score = score_tree(kv, committed, DraftTree((), ()))
+        commit_path(kv, score.pending_len, [])
+        committed.append(int(score.logits[0].argmax()))
+    return committed
+
+
+@pytest.mark.parametrize("ended", [True, False], ids=["tail-stored", "no-tail"])
+def test_the_next_turn_goes_on_from_an_ended_sessions_last_entry(ended):
+    """A session that ends stores its last, partial block: the next turn restores every entry the
+    session held (all but the answer's last token, which no pass took in), bitwise a cold prefill's
+    at int8. Without it, the next turn stops at the last block boundary."""
+    model = _model(True)
+    store = PrefixStore(max_bytes=1 << 30, block_tokens=BLOCK)
+    with torch.inference_mode():
+        kv = _cache(model, store)
+        committed = _chat_turn(kv, _prompt(20), 9)
+        assert kv.prefix_len == len(committed) - 1 == 28
+        if ended:
+            kv.publish_tail()
+            kv.publish_tail()  # once
+        follow = committed + _prompt(9, salt=2)
+        reader = _cache(model, store)
+        warm = score_tree(reader, follow, TREE)
+        cold = score_tree(_cache(model, None), follow, TREE)
+        # A next turn that resends fewer of the answer's tokens (a client that cut it) takes what agrees.
+        cut = committed[:26] + _prompt(9, salt=3)
+        shorter = score_tree(_cache(model, store), cut, TREE)
+    assert len(store) == 3 + ended
+    assert warm.restored == (28 if ended else 24) and shorter.restored == (26 if ended else 24)
+    assert torch.equal(warm.logits, cold.logits)
+    for (k1, v1), (k2, v2) in zip(reader.layer_states(), _cache_states(model, follow), strict=True):
+        assert torch.equal(k1[..., :warm.reused, :], k2[..., :warm.reused, :])
+        assert torch.equal(v1[..., :warm.reused, :], v2[..., :warm.reused, :])
 
 
 def test_a_session_that_already_holds_the_prefix_takes_nothing():
