@@ -167,8 +167,9 @@ BatchWindowShareOpt = Annotated[float, typer.Option(
 PrefillChunkShareOpt = Annotated[float, typer.Option(
     "--prefill-chunk-share", min=0.0, max=16.0, help="While other sessions decode, a prompt's prefill chunk "
     "joins their pass (ragged layout) cut to add at most this share of a decode pass's time to it, both "
-    "measured by the engine (at least 16 tokens): at 1, nobody's next token waits much more than two "
-    "decode passes for another's prompt. Alone, a prompt goes in whole chunks. 0: whole chunks always.")]
+    "measured by the engine (at least 16 tokens): at 0.7, the slowest gaps between a decoding session's "
+    "tokens stay under twice the typical one. Smaller: shorter gaps, later first tokens under load. Alone, "
+    "a prompt goes in whole chunks. 0: whole chunks always.")]
 # Engine defaults, spelled out: the CLI starts without torch (specdec.engine.sessions.SessionConfig's and
 # orchestrator.config's defaults; a test checks they agree).
 DEFAULT_MAX_SESSIONS = 1024

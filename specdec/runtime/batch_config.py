@@ -13,7 +13,7 @@ DEFAULT_BATCH_WINDOW_MS = 10.0
 DEFAULT_BATCH_WINDOW_SHARE = 0.1
 # While other sessions decode, a prompt's prefill chunk adds at most this share of a decode pass's time
 # to the pass it joins (ForwardBatcher.prefill_chunk_tokens); 0: whole chunks always.
-DEFAULT_PREFILL_CHUNK_SHARE = 1.0
+DEFAULT_PREFILL_CHUNK_SHARE = 0.7
 MAX_PREFILL_CHUNK_SHARE = 16.0
 # The KV pool of captured passes on CUDA (specdec.runtime.kv_pool): sessions held, entries each.
 DEFAULT_POOL_SLOTS = 8
