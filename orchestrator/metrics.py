@@ -85,7 +85,7 @@ Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label r
   specdec_draft_rows_requests_total                 verifier: lean verifies that asked for draft rows
   specdec_prefix_cache_lookups_total{role}          prefix-cache lookups (--prefix-cache-mb)
   specdec_prefix_cache_hits_total{role}             of those, lookups that found blocks (/ lookups = hit rate)
-  specdec_prefix_cache_queried_tokens_total{role}   tokens of the blocks looked up
+  specdec_prefix_cache_queried_tokens_total{role}   tokens of the blocks looked up (partial: when found)
   specdec_prefix_cache_hit_tokens_total{role}       of those, tokens found (their prefill saved)
   specdec_prefix_cache_stored_blocks_total{role}    blocks stored
   specdec_prefix_cache_evictions_total{role}        blocks evicted, least recently used first
@@ -552,7 +552,7 @@ _SESSION_STATS = {
     "prefix_cache_hits": ("specdec_prefix_cache_hits", "Of those, lookups that found at least one block "
                           "(/ lookups = hit rate).", "counter"),
     "prefix_cache_queried_tokens": ("specdec_prefix_cache_queried_tokens", "Tokens of the full blocks looked "
-                                    "up.", "counter"),
+                                    "up, and of the partial blocks found.", "counter"),
     "prefix_cache_hit_tokens": ("specdec_prefix_cache_hit_tokens", "Of those, tokens found, whose prefill "
                                 "was saved (/ queried = token hit rate).", "counter"),
     "prefix_cache_blocks": ("specdec_prefix_cache_blocks", "Blocks the prefix cache holds.", "gauge"),
