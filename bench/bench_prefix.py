@@ -35,7 +35,7 @@ from typing import Any
 from bench.bench_iteration import start_up, stop_up
 from bench.bench_serving import free_port
 from bench.machine import cpu_model
-from orchestrator.sessions import common_prefix
+from specdec.trees import common_prefix
 
 CHAT = (
     "Write a Python function `parse_duration(text)` that turns strings like '1h30m', '45s' or '2h' into "

@@ -58,7 +58,7 @@ from specdec.engine.api import (
 )
 from specdec.errors import EngineError, InvalidRequest, Overloaded, PeerUnavailable, SessionGone
 from specdec.methods import get_method
-from specdec.trees import max_depth
+from specdec.trees import common_prefix, max_depth
 from specdec.verification.lean import token_probs
 
 if TYPE_CHECKING:
@@ -110,15 +110,6 @@ class EngineWatch(Protocol):
     def verifier_lost(self, exc: PeerUnavailable) -> None:
         """A verifier call failed as unreachable."""
         ...
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _fits(result: DraftResult | LookaheadResult, vocab_size: int) -> bool:

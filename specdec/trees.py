@@ -123,6 +123,15 @@ def sequence_parents(length: int) -> list[int]:
     return list(range(-1, length - 1))
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def node_depths(parents: Sequence[int]) -> list[int]:
     """Depth of every node of a parent list (a child of the root has depth 1; parents come first)."""
     depths: list[int] = []

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from specdec.runtime.prefix_cache import PrefixLink, block_keys, next_key, root_key
-from specdec.trees import sequence_parents
+from specdec.trees import common_prefix, sequence_parents
 
 
 class CacheError(RuntimeError):
@@ -186,12 +186,7 @@ class TreeKVCache:
 
     def common_prefix(self, tokens: Sequence[int]) -> int:
         """Length of the longest common prefix of `tokens` and the cached prefix."""
-        n = 0
-        for cached, wanted in zip(self.prefix, tokens, strict=False):
-            if cached != wanted:
-                break
-            n += 1
-        return n
+        return common_prefix(self.prefix, tokens)
 
     def depth(self, entry: int) -> int:
         return self._block_depths[entry]

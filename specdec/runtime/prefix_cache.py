@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.trees import common_prefix
+
 BLOCK_TOKENS = 16
 # Layer states of one block: per layer (keys, values), each [1, kv heads, BLOCK_TOKENS, head dim].
 LayerStates = list[tuple[torch.Tensor, torch.Tensor]]
@@ -131,7 +133,7 @@ class PrefixStore:
                 key = tail_key(used[-1] if used else previous)
                 block = self._blocks.get(key)
                 if block is not None:
-                    tail = _agreeing(block.token_ids, tokens[len(found) * self.block_tokens:])
+                    tail = common_prefix(block.token_ids, tokens[len(found) * self.block_tokens:])
                     if tail:
                         found.append(block if tail == block.tokens else PrefixBlock(
                             [(k[..., :tail, :], v[..., :tail, :]) for k, v in block.states], 0))
@@ -199,12 +201,6 @@ class PrefixStore:
                 "prefix_cache_stored_blocks": self.stored_blocks,
                 "prefix_cache_evictions": self.evictions,
             }
-
-
-def _agreeing(first: Sequence[int], second: Sequence[int]) -> int:
-    """How many leading tokens the two agree on."""
-    return next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b),
-                min(len(first), len(second)))
 
 
 @dataclass

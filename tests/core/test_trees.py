@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from specdec.trees import (
     DraftTree,
     DraftTreeError,
+    common_prefix,
     expected_accepted,
     max_depth,
     node_depths,
@@ -243,3 +244,11 @@ def test_parent_list_helpers() -> None:
     parents = [-1, -1, 0, 2, 1]
     assert node_depths(parents) == [1, 1, 2, 3, 2]
     assert max_depth(parents) == 3 and max_depth([]) == 0
+
+
+def test_common_prefix():
+    assert common_prefix([], [1, 2]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert common_prefix([1, 2, 3], [1, 2]) == 2
+    assert common_prefix([1, 2, 3], [1, 5, 3]) == 1
+    assert common_prefix((4, 5), [4, 5, 6]) == 2  # a partial block's tuple of tokens against a prompt

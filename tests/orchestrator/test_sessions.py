@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.sessions import SessionMirror, common_prefix, draft_rows
+from orchestrator.sessions import SessionMirror, draft_rows
 from specdec.engine.api import DraftResult
 from specdec.errors import SessionGone
 
@@ -30,13 +30,6 @@ class Service:
         if error is not None:  # applied, then failed (e.g. the answer was lost)
             raise error
         return len(self.committed)
-
-
-def test_common_prefix():
-    assert common_prefix([], [1, 2]) == 0
-    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
-    assert common_prefix([1, 2, 3], [1, 2]) == 2
-    assert common_prefix([1, 2, 3], [1, 5, 3]) == 1
 
 
 async def test_calls_send_only_what_the_service_lacks():
