@@ -61,7 +61,7 @@ class SessionConfig:
 
 
 class _Entry(Generic[S]):
-    __slots__ = ("state", "lock", "last_used", "busy", "alive", "size")
+    __slots__ = ("state", "lock", "last_used", "busy", "alive", "size", "ending")
 
     def __init__(self, state: S, now: float, size: int) -> None:
         self.state = state
@@ -70,6 +70,7 @@ class _Entry(Generic[S]):
         self.busy = 0  # callers holding or waiting for the lock
         self.alive = True
         self.size = size  # KV tokens, as measured at the end of the session's last call
+        self.ending: Callable[[S], None] | None = None  # runs once a released session's last call leaves
 
 
 class SessionStore(Generic[S]):
@@ -172,6 +173,7 @@ class SessionStore(Generic[S]):
         with self._lock:
             entry.busy -= 1
             entry.last_used = self.clock()
+            self._end(session_id, entry)
             if entry.alive:
                 self._entries.move_to_end(session_id)
                 if size is not None:
@@ -284,6 +286,17 @@ class SessionStore(Generic[S]):
             self._room.notify_all()
         return len(expired)
 
+    def _end(self, session_id: str, entry: _Entry[S]) -> None:
+        """Run a released session's `ending` once it is idle (the store's lock is held)."""
+        ending = entry.ending
+        if ending is None or entry.alive or entry.busy:
+            return
+        entry.ending = None
+        try:
+            ending(entry.state)
+        except Exception:
+            log.exception("ending session %s failed", session_id)
+
     def _drop(self, session_id: str) -> None:
         entry = self._entries.pop(session_id)
         entry.alive = False
@@ -291,18 +304,16 @@ class SessionStore(Generic[S]):
 
     def release(self, session_id: str, ending: Callable[[S], None] | None = None) -> bool:
         """Forget a session (its cache is freed once no call holds it). True if it existed.
-        `ending` sees the state of a session no call holds first (what it keeps for later
-        sessions); a failure there is logged and the session goes all the same."""
+        `ending` sees the session's state once no call holds it (now, or when the last call in
+        flight leaves): what it keeps for later sessions. A failure there is logged, and the
+        session goes all the same."""
         with self._lock:
             entry = self._entries.get(session_id)
             if entry is None:
                 return False
-            if ending is not None and not entry.busy:
-                try:
-                    ending(entry.state)
-                except Exception:
-                    log.exception("ending session %s failed", session_id)
+            entry.ending = ending
             self._drop(session_id)
+            self._end(session_id, entry)
             self.released += 1
             self._room.notify_all()
             return True

@@ -504,17 +504,22 @@ class TreeKVCache:
             published.append(key)
 
     def publish_tail(self) -> None:
-        """Offer the prefix's last, partial block too (once the session ends: a conversation's next
-        turn resends these tokens, and finds them under `tail_key` after the full blocks)."""
+        """Offer the prefix's last, partial block too, and its last full block less a token as a
+        partial one (once the session ends: a conversation's next turn resends these tokens, and
+        finds them under `tail_key` after the full blocks). The second is for a next prompt that
+        parts from the prefix inside its last full block: a session may hold tokens past the answer
+        its client got (a draft accepted beyond the length limit or the stop token)."""
         link = self.prefix_link
         if link is None:
             return
         self.publish()
-        begin = len(link.published) * link.store.block_tokens
-        if begin >= self.prefix_len:
-            return
-        link.store.store_tail(link.published[-1] if link.published else root_key(link.partition),
-                              self.prefix[begin:],
-                              [(keys[..., begin:self.prefix_len, :].clone(),
-                                values[..., begin:self.prefix_len, :].clone())
-                               for keys, values in self.layer_states()])  # type: ignore[misc]
+        size, published, states = link.store.block_tokens, link.published, None
+        for index in (len(published) - 1, len(published)):
+            begin, end = index * size, min(index * size + size - 1, self.prefix_len)
+            if index < 0 or begin >= end:
+                continue
+            states = states or self.layer_states()
+            link.store.store_tail(published[index - 1] if index else root_key(link.partition),
+                                  self.prefix[begin:end],
+                                  [(keys[..., begin:end, :].clone(), values[..., begin:end, :].clone())
+                                   for keys, values in states])  # type: ignore[misc]

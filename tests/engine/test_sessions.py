@@ -114,16 +114,20 @@ def test_release_and_stats():
     }
 
 
-def test_release_ends_an_idle_session_only_and_goes_on_when_ending_fails():
-    """The engines keep a released session's last partial block (EngineCore.release): only from a
-    session no call holds, and a failure there loses the block, not the release."""
+def test_release_ends_a_session_once_no_call_holds_it_and_goes_on_when_ending_fails():
+    """The engines keep a released session's last partial block (EngineCore.release): from the
+    session as no call holds it (at once, or as the last call in flight leaves), and a failure there
+    loses the block, not the release."""
     store, _ = make_store()
     ended: list[dict] = []
     with store.use("idle", 0) as state:
         state["n"] = 1
     assert store.release("idle", ended.append) and ended == [{"n": 1}]
-    with store.use("busy", 0):
-        assert store.release("busy", ended.append) and len(ended) == 1
+    with store.use("busy", 0) as state:
+        state["n"] = 2
+        assert store.release("busy", ended.append) and len(ended) == 1  # a call holds it: not yet
+        state["n"] = 3
+    assert ended == [{"n": 1}, {"n": 3}]  # as the call left, once
     with store.use("broken", 0):
         pass
 

@@ -214,6 +214,47 @@ async def test_chat_without_a_template_is_a_clear_400(engines) -> None:
         await orchestrator.close()
 
 
+async def test_the_next_turn_reports_its_cached_tokens_and_a_salt_keeps_them_apart(tiny_pair) -> None:
+    """The prefix cache through the HTTP door: a conversation's next turn (the first turn's prompt, its
+    answer and a new message, under one cache_salt) reports in its usage every token of the first
+    request that its sessions held, to the answer's end: full blocks and partial ones. Another salt
+    finds nothing, and a bad salt is a 400 naming the field."""
+    from specdec.engine.drafter import DrafterEngine
+    from specdec.engine.verifier import VerifierEngine
+    from specdec.runtime.loading import load_model
+    from specdec.runtime.prefix_cache import PrefixStore
+
+    block = 8
+    draft, target = tiny_pair
+    engines = (DrafterEngine(load_model(draft, threads=1), prefix_cache=PrefixStore(1 << 24, block)),
+               VerifierEngine(load_model(target, threads=1), prefix_cache=PrefixStore(1 << 24, block)))
+    orchestrator = make_orchestrator(engines, pipeline=False)
+    server = await serve(orchestrator, served_model_name=MODEL)
+    first = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4]
+
+    async def ask(client, prompt: list[int], salt: object) -> int:
+        response = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                   extra_body={"ignore_eos": True, "cache_salt": salt})
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    try:
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                                      max_retries=0, timeout=60) as client:
+            assert await ask(client, first, "a") == 0
+            # the same greedy answer, its tokens (under a salt of its own)
+            answer = (await direct(orchestrator, prompt_ids=first, max_new_tokens=12, sampling=GREEDY,
+                                   stop_token_ids=[], cache_salt="reference")).token_ids
+            second = first + answer + [5, 6, 1]
+            held = len(first) + len(answer) - 1  # all but the last answer token (no pass may have taken it)
+            assert await ask(client, second, "a") >= held > held // block * block  # the partial block counts
+            assert await ask(client, second, "b") == 0
+            with pytest.raises(openai.BadRequestError, match="cache_salt"):
+                await ask(client, second, "")
+    finally:
+        await server.stop(1.0)
+        await orchestrator.close()
+
+
 async def test_a_full_server_answers_429(engines) -> None:
     orchestrator = make_orchestrator(engines, max_active_requests=1, queue_timeout_s=0.0, pipeline=False)
     server = await serve(orchestrator, served_model_name=MODEL)

@@ -196,9 +196,10 @@ def _chat_turn(kv: TreeKVCache, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.mark.parametrize("ended", [True, False], ids=["tail-stored", "no-tail"])
 def test_the_next_turn_goes_on_from_an_ended_sessions_last_entry(ended):
-    """A session that ends stores its last, partial block: the next turn restores every entry the
-    session held (all but the answer's last token, which no pass took in), bitwise a cold prefill's
-    at int8. Without it, the next turn stops at the last block boundary."""
+    """A session that ends stores its last, partial block (and its last full block less a token as a
+    partial one): the next turn restores every entry the session held that it agrees with (all but
+    the answer's last token, which no pass took in), bitwise a cold prefill's at int8. Without them,
+    the next turn stops at the last block boundary it agrees with."""
     model = _model(True)
     store = PrefixStore(max_bytes=1 << 30, block_tokens=BLOCK)
     with torch.inference_mode():
@@ -212,11 +213,16 @@ def test_the_next_turn_goes_on_from_an_ended_sessions_last_entry(ended):
         reader = _cache(model, store)
         warm = score_tree(reader, follow, TREE)
         cold = score_tree(_cache(model, None), follow, TREE)
-        # A next turn that resends fewer of the answer's tokens (a client that cut it) takes what agrees.
+        # A next turn that resends fewer of the session's tokens (it held tokens past the answer its
+        # client got: a draft accepted beyond the length limit) takes what agrees, also where it parts
+        # from the session inside the session's last full block.
         cut = committed[:26] + _prompt(9, salt=3)
         shorter = score_tree(_cache(model, store), cut, TREE)
-    assert len(store) == 3 + ended
+        inside = committed[:20] + _prompt(9, salt=3)
+        earlier = score_tree(_cache(model, store), inside, TREE)
+    assert len(store) == 3 + 2 * ended  # the full blocks, and two partial ones
     assert warm.restored == (28 if ended else 24) and shorter.restored == (26 if ended else 24)
+    assert earlier.restored == (20 if ended else 16)
     assert torch.equal(warm.logits, cold.logits)
     for (k1, v1), (k2, v2) in zip(reader.layer_states(), _cache_states(model, follow), strict=True):
         assert torch.equal(k1[..., :warm.reused, :], k2[..., :warm.reused, :])
