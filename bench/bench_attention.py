@@ -39,7 +39,8 @@ def _median_ms(run: Callable[[], object], repeats: int) -> float:
 
 
 def in_model(target: str | None, contexts: list[int], rows: int, repeats: int, threads: int) -> list[str]:
-    """Table rows: per context, a one-row pass and a `rows`-row pass, whole and in attention."""
+    """Table rows: per context, the prompt's prefill, a one-row pass and a `rows`-row pass after it,
+    whole and in attention."""
     import torch
     from transformers import AttentionInterface
 

@@ -5,9 +5,10 @@ chained SHA-256: key(i) = H(key(i − 1) ‖ tokens of block i), with key(−1) 
 names the partition and every token from position 0 to the block's end, which are all a block's
 keys and values depend on (docs/algorithms.md §16). A lookup walks the prompt's blocks from the
 start and stops at the first miss: the hit is the longest cached block-aligned prefix, then as much
-of the partial block stored after it as the prompt agrees with. A session stores its last, partial
-block when it ends (`tail_key`), so a conversation's next turn, which resends that session's tokens
-and more, goes on from its last cached entry instead of its last block boundary.
+of the partial block stored after it as the prompt agrees with. A session stores partial blocks when
+it ends (`tail_key`: its last one, and its last full block less a token), so a conversation's next
+turn, which resends that session's tokens and more, goes on from its last cached entry instead of
+its last block boundary.
 
 Sessions copy a hit into their own cache (a contiguous buffer, or a slot of the CUDA pool), so the
 attention kernels, the captured graphs and the exact float64 attention of int8 models see the same
