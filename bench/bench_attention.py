@@ -1,14 +1,15 @@
-"""What the exact (float64) attention of the int8 precision costs, and what float32 would save.
+"""What the int8 precision's exact attention costs: float64 against the fixed-order kernel.
 
-Issue 37 asks for a cheaper way to the same guarantee (rows bitwise the same in every pass shape,
-docs/algorithms.md §14). This measures the budget such a change competes for:
+Rows must be bitwise the same in every pass shape (docs/algorithms.md §14); two attentions give
+that, the float64 one and the fixed-order float32 kernel (specdec.runtime.fixed_attention). This
+measures both:
 
-1. In the default target's passes: the time spent in the attention function against the whole
-   pass, for the prompt's prefill (in chunks), a one-row pass after it (a target-only step) and a
-   wider one (a chat turn's cached pass), at a few prompt lengths.
+1. In the default target's passes (the target loaded once with each): the whole pass and the time
+   in the attention function, for the prompt's prefill (in chunks), a one-row pass after it (a
+   target-only step) and a wider one (a chat turn's cached pass), at a few prompt lengths.
 2. One layer's attention alone at the default target's shapes (12 query heads over 2 key/value
    heads, head dim 128): float64 sdpa, the grouped float64 products the int8 model runs for masked
-   multi-row passes, and float32 sdpa (not pass-invariant: what the guarantee costs).
+   multi-row passes, the fixed-order kernel, and float32 sdpa (not pass-invariant: a floor).
 
     python -m bench.bench_attention --out bench/results/attention-DATE.md      (2 min)
 
@@ -38,63 +39,89 @@ def _median_ms(run: Callable[[], object], repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _load(target: str | None, attention: str, threads: int):
+    """The default target at int8 with `attention` (fixed_attention's names) as its invariant attention."""
+    import os
+
+    from bench.bench_grounded import load_hf_target
+    from specdec.defaults import DEFAULT_TARGET_MODEL
+    from specdec.models import resolve_model
+    from specdec.runtime.fixed_attention import ATTENTION_ENV
+
+    previous = os.environ.get(ATTENTION_ENV)
+    os.environ[ATTENTION_ENV] = attention
+    try:
+        return load_hf_target(resolve_model(target or DEFAULT_TARGET_MODEL), "int8", threads)
+    finally:
+        if previous is None:
+            os.environ.pop(ATTENTION_ENV)
+        else:
+            os.environ[ATTENTION_ENV] = previous
+
+
 def in_model(target: str | None, contexts: list[int], rows: int, repeats: int, threads: int) -> list[str]:
     """Table rows: per context, the prompt's prefill, a one-row pass and a `rows`-row pass after it,
-    whole and in attention."""
+    whole and in attention, with each invariant attention (the two models' passes alternate)."""
     import torch
     from transformers import AttentionInterface
 
     import specdec.runtime.int8 as int8
-    from bench.bench_grounded import load_hf_target
-    from specdec.defaults import DEFAULT_TARGET_MODEL
-    from specdec.models import resolve_model
+    from specdec.runtime.fixed_attention import FIXED_ORDER, FLOAT64
     from specdec.runtime.kv import TreeKVCache
 
-    loaded = load_hf_target(resolve_model(target or DEFAULT_TARGET_MODEL), "int8", threads)
-    vocab = loaded.info.vocab_size  # token ids modulo a small test vocabulary
     spent = [0.0]
-    exact = int8._float64_sdpa
 
-    def timed(*args, **kwargs):
-        began = time.perf_counter()
-        out = exact(*args, **kwargs)
-        spent[0] += time.perf_counter() - began
-        return out
+    def timing(function):
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            out = function(*args, **kwargs)
+            spent[0] += time.perf_counter() - began
+            return out
+        return timed
 
-    AttentionInterface.register(int8.INVARIANT_ATTENTION, timed)  # after loading, which registers its own
+    models = {attention: _load(target, attention, threads).model for attention in (FLOAT64, FIXED_ORDER)}
+    # after loading, which registers the plain functions
+    AttentionInterface.register(int8.INVARIANT_ATTENTION, timing(int8._float64_sdpa))
+    AttentionInterface.register(int8.FIXED_ORDER_ATTENTION, timing(int8._fixed_order_sdpa))
+    vocab = models[FLOAT64].config.vocab_size  # token ids modulo a small test vocabulary
     lines = []
     with torch.inference_mode():
         for context in contexts:
             prompt = [(1000 + (i * 37) % 5000) % vocab for i in range(context)]
-            figures: dict[str, list[tuple[float, float]]] = {"prefill": [], "one": [], "wide": []}
+            figures = {(attention, name): [] for attention in models for name in ("prefill", "one", "wide")}
             for _ in range(repeats):
-                kv = TreeKVCache(loaded.model)
-                spent[0] = 0.0
-                began = time.perf_counter()
-                kv.prefill(prompt)
-                figures["prefill"].append((time.perf_counter() - began, spent[0]))
-                wide = [t % vocab for t in range(600, 600 + rows)]
-                for name, tokens in (("one", [500 % vocab]), ("wide", wide)):
+                for attention, model in models.items():
+                    kv = TreeKVCache(model)
                     spent[0] = 0.0
                     began = time.perf_counter()
-                    kv.extend_chain(tokens)
-                    figures[name].append((time.perf_counter() - began, spent[0]))
-                    kv.settle([])
+                    kv.prefill(prompt)
+                    figures[attention, "prefill"].append((time.perf_counter() - began, spent[0]))
+                    wide = [t % vocab for t in range(600, 600 + rows)]
+                    for name, tokens in (("one", [500 % vocab]), ("wide", wide)):
+                        spent[0] = 0.0
+                        began = time.perf_counter()
+                        kv.extend_chain(tokens)
+                        figures[attention, name].append((time.perf_counter() - began, spent[0]))
+                        kv.settle([])
             labels = {"prefill": "the prompt's prefill", "one": "1 row", "wide": f"{rows} rows"}
             for name, label in labels.items():
-                whole = 1e3 * statistics.median(t for t, _ in figures[name])
-                attention = 1e3 * statistics.median(a for _, a in figures[name])
-                lines.append(f"| {context} | {label} | {whole:.1f} | {attention:.1f} | "
-                             f"{attention / whole:.0%} |")
+                cells, wholes = [], []
+                for attention in models:
+                    whole = 1e3 * statistics.median(t for t, _ in figures[attention, name])
+                    part = 1e3 * statistics.median(a for _, a in figures[attention, name])
+                    cells.append(f"{whole:.1f} | {part:.1f} ({part / whole:.0%})")
+                    wholes.append(whole)
+                lines.append(f"| {context} | {label} | {' | '.join(cells)} | {wholes[0] / wholes[1]:.2f}× |")
     return lines
 
 
-def _layer_times(rows: int, context: int, repeats: int) -> tuple[float, float, float]:
+def _layer_times(rows: int, context: int, repeats: int) -> tuple[float, float, float, float]:
     """One layer's attention over `context` keys for `rows` causal rows: float64 sdpa, grouped
-    float64, float32 sdpa (ms)."""
+    float64, the fixed-order kernel, float32 sdpa (ms)."""
     import torch
     import torch.nn.functional as F
 
+    from specdec.runtime.fixed_attention import fixed_order_attention
     from specdec.runtime.int8 import _grouped_float64_attention
 
     query = torch.randn(1, 12, rows, 128)
@@ -108,16 +135,17 @@ def _layer_times(rows: int, context: int, repeats: int) -> tuple[float, float, f
 
     return (_median_ms(lambda: sdpa(q64, k64, v64, m64), repeats),
             _median_ms(lambda: _grouped_float64_attention(query, k64, v64, m64, None), repeats),
+            _median_ms(lambda: fixed_order_attention(query, keys, values, mask), repeats),
             _median_ms(lambda: sdpa(query, keys, values, mask), repeats))
 
 
 def one_layer(shapes: list[tuple[int, int]], repeats: int) -> list[str]:
-    """Table rows: per (rows, context), one layer's attention in float64 and float32, ms."""
+    """Table rows: per (rows, context), one layer's attention each way, ms."""
     lines = []
     for rows, context in shapes:
-        sdpa64, grouped64, sdpa32 = _layer_times(rows, context, repeats)
-        lines.append(f"| {rows} | {context} | {sdpa64:.3f} | {grouped64:.3f} | {sdpa32:.3f} | "
-                     f"{min(sdpa64, grouped64) / sdpa32:.2f}× |")
+        sdpa64, grouped64, fixed, sdpa32 = _layer_times(rows, context, repeats)
+        lines.append(f"| {rows} | {context} | {sdpa64:.3f} | {grouped64:.3f} | {fixed:.3f} | {sdpa32:.3f} | "
+                     f"{min(sdpa64, grouped64) / fixed:.2f}× |")
     return lines
 
 
@@ -137,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     text = [f"CPU: {cpu_model()}, {args.threads} threads, medians of {args.repeats}.", "",
-            "In the default target's passes at int8 (attention: the exact float64 function's time):", "",
-            "| prompt | pass | whole pass ms | attention ms | share |", "|---:|---|---:|---:|---:|",
+            "In the default target's passes at int8, with each invariant attention (ms; the "
+            "attention function's time and share in brackets):", "",
+            "| prompt | pass | float64: whole | attention | fixed-order: whole | attention | "
+            "float64 ÷ fixed-order |", "|---:|---|---:|---:|---:|---:|---:|",
             *in_model(args.target, contexts, args.rows, args.repeats, args.threads), "",
             "One layer's attention alone (12 query heads, 2 key/value heads, dim 128), ms:", "",
-            "| rows | context | float64 sdpa | float64 grouped | float32 sdpa | float64 / float32 |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "| rows | context | float64 sdpa | float64 grouped | fixed-order | float32 sdpa (not invariant) "
+            "| float64 ÷ fixed-order |", "|---:|---:|---:|---:|---:|---:|---:|",
             *one_layer([(1, c) for c in contexts] + [(args.rows, c) for c in contexts], args.repeats * 6)]
     print("\n".join(text))
     if args.out is not None:

@@ -100,8 +100,10 @@ DefaultAOpt = Annotated[float | None, typer.Option(
 DtypeOpt = Annotated[str, typer.Option("--dtype", callback=one_of(PRECISION_CHOICES), help=(
     "Weights precision: auto | float32 | bfloat16 | float16 | int8. auto: the device's fast "
     "precision (int8 on a CPU, bfloat16 on a CUDA GPU, else float32). int8: int8 weights per "
-    "channel, activations per row, attention in float64 (CPU only; several times faster than "
-    "float32 on CPUs without bf16 units). Batch-invariant, bitwise: int8 (a row's logits do not "
+    "channel, activations per row, attention in a fixed summation order (a C kernel built on "
+    "first use; float64 attention without a C compiler or with SPECDEC_ATTENTION=float64) (CPU "
+    "only; several times faster than float32 on CPUs without bf16 units). Batch-invariant, "
+    "bitwise: int8 (a row's logits do not "
     "depend on the other rows of its pass). Not bitwise: float32 (~1e-5 in the logits), bfloat16 "
     "and float16. The output is distributed exactly as the target model at the chosen precision "
     "decoded one token per pass (docs/algorithms.md §14)."))]

@@ -405,7 +405,7 @@ def kv_bytes_per_token(model: Any) -> int:
 
 def _kv_element_size(model: Any) -> int:
     """Bytes per cached element: the dtype of the model's floating-point parameters, except for an
-    int8 model, which caches float64 keys and values (specdec.runtime.int8)."""
+    int8 model, which caches what its invariant attention reads (specdec.runtime.int8)."""
     from specdec.runtime.int8 import kv_element_size  # torch: only where a model is at hand
 
     cached = kv_element_size(model)

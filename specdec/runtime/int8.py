@@ -21,6 +21,14 @@ import warnings
 
 import torch
 
+from specdec.runtime.fixed_attention import (
+    ATTENTION_ENV,
+    FIXED_ORDER,
+    attention_choice,
+    fixed_order_attention,
+    supports,
+)
+
 ACTIVATION_LEVELS = 63  # codes in [-63, 63]: AVX2's u8×s8 pair sums (vpmaddubsw) stay within int16
 WEIGHT_LEVELS = 127
 _ACTIVATION_ZERO_POINT = 64  # the fbgemm operator takes unsigned codes: code + 64 in [1, 127]
@@ -202,14 +210,17 @@ SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # tr
 
 
 def quantize_linears(model: torch.nn.Module, kernel: str | None = None,
-                     kv_dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+                     kv_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Replace every nn.Linear of `model` by a RowwiseInt8Linear (in place; returns the model).
 
-    The key and value projections give `kv_dtype`: float64 by default, so the KV cache holds
-    float64 and the float64 attention below reads it without a cast per pass (2× the cache's
-    bytes; casting a float32 cache every pass measured slower). Projections of one input
+    The key and value projections give `kv_dtype`, by default what this machine's invariant
+    attention reads (`invariant_kv_dtype`): float32 for the fixed-order kernel; float64 for the
+    float64 attention, which then reads the cache without a cast per pass (2× the cache's bytes;
+    casting a float32 cache every pass measured slower). Projections of one input
     (SHARED_INPUTS) share one quantisation and one GEMM.
     """
+    if kv_dtype is None:
+        kv_dtype = invariant_kv_dtype(attention_choice())
 
     def dtype(name: str) -> torch.dtype:
         return kv_dtype if name in KV_PROJECTIONS else torch.float32
@@ -238,10 +249,30 @@ def kv_element_size(model: torch.nn.Module) -> int | None:
 # ----------------------------------------------------------------------------------------------
 # attention: the float part of an int8 model, computed so that rounding cannot see the pass
 
-INVARIANT_ATTENTION = "specdec_sdpa_float64"
+INVARIANT_ATTENTION = "specdec_sdpa_float64"  # the names transformers knows them by
+FIXED_ORDER_ATTENTION = "specdec_fixed_order"
 # A one-row pass takes the grouped products from this many keys on: per layer, 12 query heads over
 # 2 key/value heads, 0.94 against 1.54 ms at 1,500 keys, level at 400 (Zen 4 EPYC, 2 threads)
 GROUPED_ONE_ROW_FROM_KEYS = 512
+
+
+def invariant_kv_dtype(attention: str) -> torch.dtype:
+    """The cache dtype the invariant attention `attention` (fixed_attention's names) reads."""
+    return torch.float32 if attention == FIXED_ORDER else torch.float64
+
+
+def _fixed_order_sdpa(module, query, key, value, attention_mask, scaling: float | None = None,
+                      **kwargs):
+    """The fixed-order float32 kernel (specdec.runtime.fixed_attention) as a transformers
+    attention function. A call it cannot compute raises: answering it in float64 instead would
+    give that pass's rows other values than the same rows in other passes."""
+    if not supports(query, key, value, attention_mask, kwargs):
+        raise NotImplementedError(
+            f"the fixed-order attention does not compute this call (query {query.dtype} "
+            f"{tuple(query.shape)}, mask {None if attention_mask is None else tuple(attention_mask.shape)}, "
+            f"options {sorted(k for k, v in kwargs.items() if v is not None)}); "
+            f"set {ATTENTION_ENV}=float64")
+    return fixed_order_attention(query, key, value, attention_mask, scaling), None
 
 
 def _float64_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -282,11 +313,17 @@ def _grouped_float64_attention(query, key, value, mask, scaling: float | None) -
     return output.transpose(1, 2).contiguous().float()
 
 
-def use_invariant_attention(model: torch.nn.Module) -> None:
-    """Register the float64 sdpa under its own name (with sdpa's masks) and switch `model` to it."""
+def use_invariant_attention(model: torch.nn.Module, attention: str | None = None) -> str:
+    """Switch `model` to a pass-invariant attention (registered under its own name, with sdpa's
+    masks) and return which: `attention` (fixed_attention's FIXED_ORDER or FLOAT64), by default
+    this machine's (fixed_attention.attention_choice)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(INVARIANT_ATTENTION, _float64_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(INVARIANT_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(INVARIANT_ATTENTION)
+    attention = attention_choice() if attention is None else attention
+    name, function = ((FIXED_ORDER_ATTENTION, _fixed_order_sdpa) if attention == FIXED_ORDER
+                      else (INVARIANT_ATTENTION, _float64_sdpa))
+    AttentionInterface.register(name, function)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    model.set_attn_implementation(name)
+    return attention

@@ -38,8 +38,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 # Every nn.Linear replaced by a batch-invariant int8 one (specdec.runtime.int8: int8 weights per
-# channel, activations per row), attention in float64. CPU only. Much faster than float32 on the
-# 2-core dev machine (AVX2); it changes the model's distribution, so compare against int8 too.
+# channel, activations per row), pass-invariant attention (specdec.runtime.fixed_attention). CPU
+# only. Much faster than float32 on the 2-core dev machine; it changes the model's distribution,
+# so compare against int8 too.
 INT8 = "int8"
 assert set(PRECISIONS) == {*DTYPES, INT8}
 SOURCE_FILE = "specdec_source.json"  # written into converted directories: where they came from

@@ -1,5 +1,5 @@
-"""bench.bench_attention on the tiny target: the exact attention's share of each pass is measured
-(the timing hook sits in the model's attention), and one layer's kernels are timed."""
+"""bench.bench_attention on the tiny target: each invariant attention's share of each pass is
+measured (the timing hooks sit in the models' attention), and one layer's kernels are timed."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ def test_the_attention_share_of_the_tiny_targets_passes(tiny_dirs, tmp_path) -> 
             "--threads", "1", "--out", str(out)]
     assert bench_attention.main(argv) == 0
     text = out.read_text()
-    passes = re.findall(r"^\| 24 \| (.+?) \| ([\d.]+) \| ([\d.]+) \| (\d+)% \|$", text, re.M)
+    passes = re.findall(r"^\| 24 \| (.+?) \| ([\d.]+) \| ([\d.]+) \(\d+%\) \| ([\d.]+) \| ([\d.]+) \(\d+%\) "
+                        r"\| [\d.]+× \|$", text, re.M)
     assert [name for name, *_ in passes] == ["the prompt's prefill", "1 row", "3 rows"]
-    for _, whole, attention, _share in passes:
-        assert 0 < float(attention) < float(whole)  # the hook saw the attention, inside the pass
-    layers = re.findall(r"^\| (\d+) \| 24 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+× \|$", text, re.M)
+    for _, *figures in passes:  # each attention's hook saw its calls, inside the pass
+        whole64, attention64, whole_fixed, attention_fixed = map(float, figures)
+        assert 0 < attention64 < whole64 and 0 < attention_fixed < whole_fixed
+    layers = re.findall(r"^\| (\d+) \| 24 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+× \|$", text, re.M)
     assert layers == ["1", "3"]

@@ -93,6 +93,20 @@ def test_entrypoint_is_specdec_and_the_chart_ports_are_exposed() -> None:
                        values["orchestrator"]["http"]["port"]}
 
 
+def test_the_running_image_has_a_c_compiler_for_the_attention_kernel() -> None:
+    """The int8 attention kernel is built for the node's CPU at first start (not in the build
+    stage, whose CPU may be another), so the final stage installs gcc before dropping root."""
+    stage = final_stage()
+    installs = [i for i, (keyword, rest) in enumerate(stage)
+                if keyword == "RUN" and re.search(r"apt-get install\b.*\bgcc\b", rest)]
+    user = max(i for i, (keyword, _) in enumerate(stage) if keyword == "USER")
+    assert installs and installs[0] < user
+    from specdec.runtime.fixed_attention import SOURCE
+
+    assert '"specdec.runtime" = ["*.c"]' in (ROOT / "pyproject.toml").read_text()  # the source ships
+    assert (ROOT / "specdec" / "runtime" / SOURCE).exists()
+
+
 def test_every_copy_source_exists_and_no_model_is_baked_in() -> None:
     for keyword, rest in instructions():
         if keyword == "COPY" and "--from=" not in rest:

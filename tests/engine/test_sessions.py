@@ -449,9 +449,10 @@ def test_collected_stores_leave_no_sweeper_behind():
 # bytes per KV token, and the budget in a real engine
 
 
-def test_kv_bytes_per_token_of_a_tiny_model(draft_model):
+def test_kv_bytes_per_token_of_a_tiny_model(draft_model, monkeypatch):
     import torch
 
+    from specdec.runtime.fixed_attention import ATTENTION_ENV, FLOAT64
     from specdec.runtime.loading import quantize_int8
     from specdec.runtime.tiny import build_tiny_model
 
@@ -460,7 +461,9 @@ def test_kv_bytes_per_token_of_a_tiny_model(draft_model):
     assert kv_bytes_per_token(draft_model.model) == 2 * 2 * 1 * 8 * 4
     half = build_tiny_model(hidden_size=16, num_layers=3).to(torch.bfloat16)
     assert kv_bytes_per_token(half) == 3 * 2 * 1 * 8 * 2
-    # int8 caches float64 keys and values (the attention it feeds runs in float64)
+    # int8 caches what its invariant attention reads: float32 for the fixed-order kernel
+    assert kv_bytes_per_token(quantize_int8(build_tiny_model(hidden_size=16))) == 2 * 2 * 1 * 8 * 4
+    monkeypatch.setenv(ATTENTION_ENV, FLOAT64)  # float64 for the float64 attention
     assert kv_bytes_per_token(quantize_int8(build_tiny_model(hidden_size=16))) == 2 * 2 * 1 * 8 * 8
     explicit = build_tiny_model(hidden_size=16)
     explicit.config.head_dim = 4  # a config that states its head size wins over hidden / heads

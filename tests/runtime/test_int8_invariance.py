@@ -17,6 +17,7 @@ import torch
 
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.batching import ForwardBatcher, _Job
+from specdec.runtime.fixed_attention import ATTENTION_ENV, FIXED_ORDER, FLOAT64
 from specdec.runtime.int8 import (
     FBGEMM,
     INT_MM,
@@ -135,16 +136,22 @@ def differences(model, seed: int = 0) -> dict[str, tuple[int, float]]:
     return out
 
 
-@pytest.mark.parametrize("grouped_one_row_from", [None, 1])
-def test_int8_rows_are_the_same_in_every_pass_shape(grouped_one_row_from, monkeypatch):
-    """One-row passes run the sdpa kernel in float64 below GROUPED_ONE_ROW_FROM_KEYS keys and the
-    grouped float64 products from there on (as multi-row passes do): rows are bitwise equal either way."""
+@pytest.mark.parametrize(("attention", "grouped_one_row_from"),
+                         [(FIXED_ORDER, None), (FLOAT64, None), (FLOAT64, 1)])
+def test_int8_rows_are_the_same_in_every_pass_shape(attention, grouped_one_row_from, monkeypatch):
+    """Both invariant attentions: the fixed-order kernel (the default), and float64, whose one-row
+    passes run the sdpa kernel below GROUPED_ONE_ROW_FROM_KEYS keys and the grouped float64
+    products from there on (as its multi-row passes do): rows are bitwise equal every way."""
     from specdec.runtime import int8
 
+    monkeypatch.setenv(ATTENTION_ENV, attention)
     if grouped_one_row_from is not None:
         monkeypatch.setattr(int8, "GROUPED_ONE_ROW_FROM_KEYS", grouped_one_row_from)
     with torch.no_grad():
-        found = differences(quantize_int8(tiny()))
+        model = quantize_int8(tiny())
+        assert model.config._attn_implementation == (
+            int8.FIXED_ORDER_ATTENTION if attention == FIXED_ORDER else int8.INVARIANT_ATTENTION)
+        found = differences(model)
     assert all(unequal == 0 for unequal, _ in found.values()), found
 
 
@@ -224,10 +231,11 @@ def test_projections_of_one_input_share_a_product_and_compute_what_separate_laye
     model = tiny()
     separate = tiny()
     quantize_linears(model)
+    kv_dtype = model.model.layers[0].self_attn.k_proj.output_dtype  # what the attention reads
     for parent in separate.modules():  # the same layers, each with a product of its own
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                dtype = torch.float64 if name in ("k_proj", "v_proj") else torch.float32
+                dtype = kv_dtype if name in ("k_proj", "v_proj") else torch.float32
                 setattr(parent, name, RowwiseInt8Linear.from_linear(child, output_dtype=dtype))
     use_invariant_attention(model)
     use_invariant_attention(separate)

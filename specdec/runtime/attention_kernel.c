@@ -1,0 +1,172 @@
+/* Fixed-order float32 attention for the int8 precision (docs/algorithms.md §14).
+ *
+ * A row's attention output must be bitwise the same whatever else its pass holds: other rows,
+ * other sessions, padding, tree branches, keys it does not see. BLAS kernels choose their blocking
+ * by shape, so their float32 sums do not promise that; this kernel fixes every sum's order by
+ * what the row itself sees:
+ *   - a score is one query-key dot product: 16 lanes over the head dimension (lane l sums the
+ *     products at l, l + 16, ... in order, zeros past its end), then one fixed tree over the lanes;
+ *   - the softmax runs over the row's visible keys in cache order, numbered 0, 1, 2, ... (the
+ *     ordinal, not the buffer index, which padding and side branches shift): the maximum is
+ *     exact in any order, each exponential is one function of one score, and the denominator
+ *     sums lane (ordinal mod 16) by lane, then the same tree;
+ *   - the output is sum_i p_i v_i over the ordinals in order, one lane per head dimension,
+ *     divided by the denominator at the end.
+ * Keys the row does not see take no part at all. Nothing depends on the thread count either: a
+ * thread computes whole rows.
+ *
+ * Built at first use by specdec.runtime.fixed_attention (cc -O3 -march=native -fopenmp) and
+ * called through ctypes; the order above is the same on every CPU with 16-lane vectors lowered
+ * to whatever width it has.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+typedef float vec __attribute__((vector_size(64)));
+typedef float vec_unaligned __attribute__((vector_size(64), aligned(4)));
+typedef int32_t ivec __attribute__((vector_size(64)));
+
+static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
+static inline void store(float *p, vec x) { *(vec_unaligned *)p = x; }
+static inline vec splat(float x) { return (vec){0} + x; }
+/* The first n (< 16) floats at p, zeros after: the last chunk of a head dimension not a multiple of 16. */
+static inline vec load_part(const float *p, int n) {
+    vec x = splat(0.0f);
+    memcpy(&x, p, sizeof(float) * (size_t)n);
+    return x;
+}
+
+/* The one tree every lane sum takes: lanes l and l + 8, then l + 4, l + 2, l + 1. */
+static float lane_sum(vec x) {
+    vec a = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    vec b = a + __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    vec c = b + __builtin_shufflevector(b, b, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    return c[0] + c[1];
+}
+
+/* q . k over `dim` in the fixed order above (a last partial chunk's missing lanes are zeros). */
+__attribute__((noinline)) static float dot(const float *q, const float *k, int dim) {
+    const int whole = dim / LANES * LANES;
+    vec acc = splat(0.0f);
+    for (int c = 0; c < whole; c += LANES) acc = acc + load(q + c) * load(k + c);
+    if (whole < dim) acc = acc + load_part(q + whole, dim - whole) * load_part(k + whole, dim - whole);
+    return lane_sum(acc);
+}
+
+/* exp(x) lane by lane (x <= 0 here): 2^n * poly(r), r = x - n ln 2, |r| <= ln 2 / 2; ~2 ulp. */
+__attribute__((noinline)) static vec exp_lanes(vec x) {
+    const vec low = splat(-87.0f);
+    const ivec below = x < low;
+    x = (vec)(((ivec)low & below) | ((ivec)x & ~below));
+    vec shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vec n = (x * splat(1.44269504088896341f) + shifter) - shifter;
+    vec r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    vec p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = (p * r) * r + r + splat(1.0f);
+    ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return p * (vec)bits;
+}
+
+/* Mask kinds: 0 none (causal: row r sees keys 0 .. L - R + r), 1 additive float (a key is seen when
+ * its value is above -1e30, and the value is added to its score), 2 boolean (nonzero: seen). */
+static int visible_keys(const void *mask, int kind, int64_t offset, int rows, int row, int length,
+                        int *index, float *bias) {
+    int n = 0;
+    if (kind == 0) {
+        int last = length - rows + row;
+        for (int j = 0; j <= last && j < length; j++) { index[n] = j; bias[n++] = 0.0f; }
+    } else if (kind == 1) {
+        const float *m = (const float *)mask + offset;
+        for (int j = 0; j < length; j++)
+            if (m[j] > -1e30f) { index[n] = j; bias[n++] = m[j]; }
+    } else {
+        const uint8_t *m = (const uint8_t *)mask + offset;
+        for (int j = 0; j < length; j++)
+            if (m[j]) { index[n] = j; bias[n++] = 0.0f; }
+    }
+    return n;
+}
+
+/* softmax(q k^T * scale + mask) v for query [B, Hq, R, D], key/value [B, Hkv, L, D] (strides in
+ * elements, the last dimension contiguous), mask [B or 1, 1, R, L] (last dimension contiguous;
+ * mask_batch_stride 0 broadcasts), into out [B, R, Hq, D] contiguous. Returns 0, or -1 when
+ * scratch memory could not be had. */
+int specdec_fixed_order_attention(
+    const float *query, int64_t q_batch, int64_t q_head, int64_t q_row,
+    const float *key, int64_t k_batch, int64_t k_head, int64_t k_row,
+    const float *value, int64_t v_batch, int64_t v_head, int64_t v_row,
+    const void *mask, int mask_kind, int64_t mask_batch, int64_t mask_row,
+    float *out, int batch, int heads, int kv_heads, int rows, int length, int dim, float scale,
+    int threads) {
+    const int group = heads / kv_heads;
+    const int padded = (length + LANES - 1) / LANES * LANES;
+    const int tasks = batch * kv_heads * rows;
+    const int chunks = (dim + LANES - 1) / LANES;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        int *index = malloc(sizeof(int) * (size_t)length);
+        float *bias = malloc(sizeof(float) * (size_t)length);
+        float *scores = malloc(sizeof(float) * (size_t)padded);
+        vec *acc = aligned_alloc(sizeof(vec), sizeof(vec) * (size_t)chunks);
+        if (!index || !bias || !scores || !acc) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < tasks; task++) {
+            if (failed) continue;
+            const int b = task / (kv_heads * rows), h = task / rows % kv_heads, r = task % rows;
+            const int seen = visible_keys(mask, mask_kind, b * mask_batch + r * mask_row, rows, r,
+                                          length, index, bias);
+            const float *keys = key + b * k_batch + h * k_head;
+            const float *values = value + b * v_batch + h * v_head;
+            for (int g = 0; g < group; g++) {
+                const int head = h * group + g;
+                const float *q = query + b * q_batch + head * q_head + r * q_row;
+                float *o = out + (((int64_t)b * rows + r) * heads + head) * dim;
+                if (seen == 0) { memset(o, 0, sizeof(float) * (size_t)dim); continue; }
+                float top = -3.4e38f;
+                for (int i = 0; i < seen; i++) {
+                    float s = dot(q, keys + index[i] * k_row, dim) * scale + bias[i];
+                    scores[i] = s;
+                    if (s > top) top = s;
+                }
+                const int blocks = (seen + LANES - 1) / LANES;
+                for (int i = seen; i < blocks * LANES; i++) scores[i] = top;
+                vec total = splat(0.0f);
+                for (int blk = 0; blk < blocks; blk++) {
+                    vec p = exp_lanes(load(scores + blk * LANES) - splat(top));
+                    if (blk == blocks - 1)
+                        for (int l = seen - blk * LANES; l < LANES; l++) p[l] = 0.0f;
+                    store(scores + blk * LANES, p);
+                    total = total + p;
+                }
+                const vec denominator = splat(lane_sum(total));
+                const int whole = dim / LANES, rest = dim - whole * LANES;
+                for (int c = 0; c < chunks; c++) acc[c] = splat(0.0f);
+                for (int i = 0; i < seen; i++) {
+                    const vec p = splat(scores[i]);
+                    const float *v = values + index[i] * v_row;
+                    for (int c = 0; c < whole; c++) acc[c] = acc[c] + p * load(v + c * LANES);
+                    if (rest) acc[whole] = acc[whole] + p * load_part(v + whole * LANES, rest);
+                }
+                for (int c = 0; c < whole; c++) store(o + c * LANES, acc[c] / denominator);
+                if (rest) {
+                    const vec last = acc[whole] / denominator;
+                    memcpy(o + whole * LANES, &last, sizeof(float) * (size_t)rest);
+                }
+            }
+        }
+        free(index);
+        free(bias);
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
