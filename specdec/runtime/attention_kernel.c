@@ -47,12 +47,34 @@ static float lane_sum(vec x) {
 }
 
 /* q . k over `dim` in the fixed order above (a last partial chunk's missing lanes are zeros). */
-__attribute__((noinline)) static float dot(const float *q, const float *k, int dim) {
+static inline float dot(const float *q, const float *k, int dim) {
     const int whole = dim / LANES * LANES;
     vec acc = splat(0.0f);
     for (int c = 0; c < whole; c += LANES) acc = acc + load(q + c) * load(k + c);
     if (whole < dim) acc = acc + load_part(q + whole, dim - whole) * load_part(k + whole, dim - whole);
     return lane_sum(acc);
+}
+
+/* Scores of the `group` query heads at q, q + q_head, ... against each seen key, scale and bias
+ * applied: scores[g * stride + i]. The key loop is outside, so a key is read once for the group;
+ * the common head dimensions get their own copy of the loop, fully unrolled (the arithmetic of a
+ * score is the same in every copy: the order above). */
+#define SCORE_LOOP(DIM)                                                                            \
+    for (int i = 0; i < seen; i++) {                                                               \
+        const float *k = keys + index[i] * k_row;                                                  \
+        for (int g = 0; g < group; g++)                                                            \
+            scores[g * stride + i] = dot(q + g * q_head, k, DIM) * scale + bias[i];               \
+    }
+static void group_scores(const float *q, int64_t q_head, int group, const float *keys, int64_t k_row,
+                         const int *index, const float *bias, int seen, int dim, float scale,
+                         float *restrict scores, int stride) {
+    if (dim == 128) {
+        SCORE_LOOP(128)
+    } else if (dim == 64) {
+        SCORE_LOOP(64)
+    } else {
+        SCORE_LOOP(dim)
+    }
 }
 
 /* exp(x) lane by lane (x <= 0 here): 2^n * poly(r), r = x - n ln 2, |r| <= ln 2 / 2; ~2 ulp. */
@@ -74,6 +96,20 @@ __attribute__((noinline)) static vec exp_lanes(vec x) {
     ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
     return p * (vec)bits;
 }
+
+/* o = sum_i p_i v_i / denominator over the seen keys in order, for a head dimension DIM that is a
+ * multiple of 16 (accumulators in registers; the same order as the general loop below). */
+#define WEIGHTED_SUM(DIM)                                                                          \
+    {                                                                                              \
+        vec sums[DIM / LANES];                                                                     \
+        for (int c = 0; c < DIM / LANES; c++) sums[c] = splat(0.0f);                               \
+        for (int i = 0; i < seen; i++) {                                                           \
+            const vec p = splat(scores[i]);                                                        \
+            const float *v = values + index[i] * v_row;                                            \
+            for (int c = 0; c < DIM / LANES; c++) sums[c] = sums[c] + p * load(v + c * LANES);     \
+        }                                                                                          \
+        for (int c = 0; c < DIM / LANES; c++) store(o + c * LANES, sums[c] / denominator);         \
+    }
 
 /* Mask kinds: 0 none (causal: row r sees keys 0 .. L - R + r), 1 additive float (a key is seen when
  * its value is above -1e30, and the value is added to its score), 2 boolean (nonzero: seen). */
@@ -115,9 +151,9 @@ int specdec_fixed_order_attention(
     {
         int *index = malloc(sizeof(int) * (size_t)length);
         float *bias = malloc(sizeof(float) * (size_t)length);
-        float *scores = malloc(sizeof(float) * (size_t)padded);
+        float *all_scores = malloc(sizeof(float) * (size_t)padded * (size_t)group);
         vec *acc = aligned_alloc(sizeof(vec), sizeof(vec) * (size_t)chunks);
-        if (!index || !bias || !scores || !acc) failed = 1;
+        if (!index || !bias || !all_scores || !acc) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; task++) {
             if (failed) continue;
@@ -126,17 +162,21 @@ int specdec_fixed_order_attention(
                                           length, index, bias);
             const float *keys = key + b * k_batch + h * k_head;
             const float *values = value + b * v_batch + h * v_head;
+            float *o_row = out + ((int64_t)b * rows + r) * heads * dim;
+            if (seen == 0) {
+                memset(o_row + (int64_t)h * group * dim, 0, sizeof(float) * (size_t)(group * dim));
+                continue;
+            }
+            const float *q_group = query + b * q_batch + (int64_t)h * group * q_head + r * q_row;
+            group_scores(q_group, q_head, group, keys, k_row, index, bias, seen, dim, scale, all_scores,
+                         padded);
             for (int g = 0; g < group; g++) {
                 const int head = h * group + g;
-                const float *q = query + b * q_batch + head * q_head + r * q_row;
-                float *o = out + (((int64_t)b * rows + r) * heads + head) * dim;
-                if (seen == 0) { memset(o, 0, sizeof(float) * (size_t)dim); continue; }
+                float *o = o_row + (int64_t)head * dim;
+                float *scores = all_scores + (int64_t)g * padded;
                 float top = -3.4e38f;
-                for (int i = 0; i < seen; i++) {
-                    float s = dot(q, keys + index[i] * k_row, dim) * scale + bias[i];
-                    scores[i] = s;
-                    if (s > top) top = s;
-                }
+                for (int i = 0; i < seen; i++)
+                    if (scores[i] > top) top = scores[i];
                 const int blocks = (seen + LANES - 1) / LANES;
                 for (int i = seen; i < blocks * LANES; i++) scores[i] = top;
                 vec total = splat(0.0f);
@@ -148,24 +188,30 @@ int specdec_fixed_order_attention(
                     total = total + p;
                 }
                 const vec denominator = splat(lane_sum(total));
-                const int whole = dim / LANES, rest = dim - whole * LANES;
-                for (int c = 0; c < chunks; c++) acc[c] = splat(0.0f);
-                for (int i = 0; i < seen; i++) {
-                    const vec p = splat(scores[i]);
-                    const float *v = values + index[i] * v_row;
-                    for (int c = 0; c < whole; c++) acc[c] = acc[c] + p * load(v + c * LANES);
-                    if (rest) acc[whole] = acc[whole] + p * load_part(v + whole * LANES, rest);
-                }
-                for (int c = 0; c < whole; c++) store(o + c * LANES, acc[c] / denominator);
-                if (rest) {
-                    const vec last = acc[whole] / denominator;
-                    memcpy(o + whole * LANES, &last, sizeof(float) * (size_t)rest);
+                if (dim == 128) {
+                    WEIGHTED_SUM(128)
+                } else if (dim == 64) {
+                    WEIGHTED_SUM(64)
+                } else {
+                    const int whole = dim / LANES, rest = dim - whole * LANES;
+                    for (int c = 0; c < chunks; c++) acc[c] = splat(0.0f);
+                    for (int i = 0; i < seen; i++) {
+                        const vec p = splat(scores[i]);
+                        const float *v = values + index[i] * v_row;
+                        for (int c = 0; c < whole; c++) acc[c] = acc[c] + p * load(v + c * LANES);
+                        if (rest) acc[whole] = acc[whole] + p * load_part(v + whole * LANES, rest);
+                    }
+                    for (int c = 0; c < whole; c++) store(o + c * LANES, acc[c] / denominator);
+                    if (rest) {
+                        const vec last = acc[whole] / denominator;
+                        memcpy(o + whole * LANES, &last, sizeof(float) * (size_t)rest);
+                    }
                 }
             }
         }
         free(index);
         free(bias);
-        free(scores);
+        free(all_scores);
         free(acc);
     }
     return failed ? -1 : 0;
