@@ -6,10 +6,11 @@ rounding, at 1.4–2.1× float32's time and twice the cache's bytes. `attention_
 by fixing every sum's order from what the row itself sees (its docstring says how), in float32.
 
 The kernel is C, built once per machine with the system's C compiler (`cc -O3 -march=native
--fopenmp`) into the specdec home, keyed by the source, the compiler and the CPU, and called
-through ctypes, which lets go of the GIL for the call. Without a compiler (or with
-`SPECDEC_ATTENTION=float64`) the int8 precision keeps the float64 attention; both are invariant,
-but they are not the same model, so a process uses one (see `attention_choice`).
+-fopenmp`, or one thread without OpenMP) into the specdec home, keyed by the source, the compiler
+and the CPU, and called through ctypes, which lets go of the GIL for the call; its OpenMP threads
+are torch's (one runtime in the process). Without a compiler (or with `SPECDEC_ATTENTION=float64`)
+the int8 precision keeps the float64 attention; both are invariant, but they are not the same
+model, so a process uses one (see `attention_choice`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ FIXED_ORDER = "fixed-order"  # the C kernel (the default where it builds)
 FLOAT64 = "float64"  # float64 sdpa (specdec.runtime.int8)
 ATTENTION_CHOICES = ("auto", FIXED_ORDER, FLOAT64)
 SOURCE = "attention_kernel.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
+OPENMP = "-fopenmp"  # rows split over torch's threads (its OpenMP runtime); without it, one thread
 NO_MASK, FLOAT_MASK, BOOL_MASK = 0, 1, 2
 
 
@@ -72,13 +74,20 @@ def _build(compiler: Path, source: bytes, library: Path) -> None:
         source_path = Path(scratch) / SOURCE
         source_path.write_bytes(source)
         built = Path(scratch) / library.name
-        try:
-            result = subprocess.run([str(compiler), *FLAGS, str(source_path), "-o", str(built)],
-                                    capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as error:
-            raise KernelUnavailable(f"the C compiler {compiler} does not run: {error}") from error
-        if result.returncode != 0:
-            raise KernelUnavailable(f"{compiler} could not build {SOURCE}: {result.stderr.strip()[-2000:]}")
+        errors = []
+        for flags in ((*FLAGS, OPENMP), FLAGS):  # a compiler without OpenMP (clang without libomp)
+            try:
+                result = subprocess.run([str(compiler), *flags, str(source_path), "-o", str(built)],
+                                        capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as error:
+                raise KernelUnavailable(f"the C compiler {compiler} does not run: {error}") from error
+            if result.returncode == 0:
+                break
+            errors.append(result.stderr.strip()[-1000:])
+        else:
+            raise KernelUnavailable(f"{compiler} could not build {SOURCE}: {errors[-1]}")
+        if errors:
+            log.warning("the attention kernel was built without OpenMP (one thread): %s", errors[0])
         os.replace(built, library)
     log.info("built the fixed-order attention kernel: %s", library)
 
@@ -91,7 +100,7 @@ def load_kernel() -> ctypes.CDLL:
     source = resources.files("specdec.runtime").joinpath(SOURCE).read_bytes()
     compiler = _compiler()
     stamp = compiler.stat()  # the compiler's identity without running it (a start runs no process)
-    identity = f"{compiler} {stamp.st_size} {stamp.st_mtime_ns} {' '.join(FLAGS)}"
+    identity = f"{compiler} {stamp.st_size} {stamp.st_mtime_ns} {' '.join(FLAGS)} {OPENMP}"
     key = hashlib.sha256(b"\0".join([source, identity.encode(), _cpu_flags().encode()])).hexdigest()[:16]
     name = f"fixed-order-attention-{key}.so"
     places = [specdec_home() / "kernels", Path(tempfile.gettempdir()) / f"specdec-kernels-{os.getuid()}"]

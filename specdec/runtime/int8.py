@@ -16,6 +16,7 @@ trees) and which stays when that operator is gone. A product may run either per 
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 
@@ -28,6 +29,8 @@ from specdec.runtime.fixed_attention import (
     fixed_order_attention,
     supports,
 )
+
+log = logging.getLogger(__name__)
 
 ACTIVATION_LEVELS = 63  # codes in [-63, 63]: AVX2's u8×s8 pair sums (vpmaddubsw) stay within int16
 WEIGHT_LEVELS = 127
@@ -326,4 +329,5 @@ def use_invariant_attention(model: torch.nn.Module, attention: str | None = None
     AttentionInterface.register(name, function)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
     model.set_attn_implementation(name)
+    log.info("int8 attention: %s", attention)
     return attention

@@ -178,3 +178,39 @@ def test_a_call_it_cannot_compute_is_refused_not_answered_in_another_arithmetic(
         _fixed_order_sdpa(None, query, key.double(), value.double(), None)
     with pytest.raises(NotImplementedError, match="softcap"):
         _fixed_order_sdpa(None, query, key, value, None, softcap=30.0)
+
+
+def _compiler_script(path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_compiler_without_openmp_builds_a_one_thread_kernel(monkeypatch, tmp_path, caplog):
+    real = fixed_attention._compiler()
+    monkeypatch.setenv("CC", _compiler_script(
+        tmp_path / "cc-no-openmp",
+        f'case "$*" in *-fopenmp*) echo "no OpenMP here" >&2; exit 1;; esac\nexec {real} "$@"\n'))
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    load_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=fixed_attention.__name__):
+            load_kernel()
+        assert "without OpenMP" in caplog.text and "no OpenMP here" in caplog.text
+        query, key, value = tensors(rows=4)
+        out = fixed_order_attention(query, key, value, causal_mask(4, 40))
+        assert torch.allclose(out.double(), float64_reference(query, key, value, causal_mask(4, 40)),
+                              atol=2e-6, rtol=0)
+    finally:
+        load_kernel.cache_clear()
+
+
+def test_a_compiler_that_fails_says_what_it_said(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", _compiler_script(tmp_path / "cc-broken", 'echo "broken compiler" >&2\nexit 1\n'))
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    load_kernel.cache_clear()
+    try:
+        with pytest.raises(KernelUnavailable, match="broken compiler"):
+            load_kernel()
+    finally:
+        load_kernel.cache_clear()
