@@ -46,24 +46,50 @@ static float lane_sum(vec x) {
     return c[0] + c[1];
 }
 
-/* q . k over `dim` in the fixed order above (a last partial chunk's missing lanes are zeros). */
-static inline float dot(const float *q, const float *k, int dim) {
+/* Four lane sums at once, each by the same tree as lane_sum (the same pairs added, only packed
+ * into fewer vectors): sums[j] = lane_sum(x_j). */
+static inline void lane_sums4(vec a, vec b, vec c, vec d, float *sums) {
+    vec ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+           + __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vec cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+           + __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vec e = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+          + __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    vec f = e + __builtin_shufflevector(e, e, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    sums[0] = f[0] + f[1];
+    sums[1] = f[4] + f[5];
+    sums[2] = f[8] + f[9];
+    sums[3] = f[12] + f[13];
+}
+
+/* The lanes of q . k over `dim` in the fixed order above (a last partial chunk's missing lanes
+ * are zeros); lane_sum of them is the score. */
+static inline vec dot_lanes(const float *q, const float *k, int dim) {
     const int whole = dim / LANES * LANES;
     vec acc = splat(0.0f);
     for (int c = 0; c < whole; c += LANES) acc = acc + load(q + c) * load(k + c);
     if (whole < dim) acc = acc + load_part(q + whole, dim - whole) * load_part(k + whole, dim - whole);
-    return lane_sum(acc);
+    return acc;
 }
 
 /* Scores of the `group` query heads at q, q + q_head, ... against each seen key, scale and bias
- * applied: scores[g * stride + i]. The key loop is outside, so a key is read once for the group;
- * the common head dimensions get their own copy of the loop, fully unrolled (the arithmetic of a
- * score is the same in every copy: the order above). */
+ * applied: scores[g * stride + i]. The key loop is outside, so a key is read once for the group,
+ * and four heads' lane sums are packed together; the common head dimensions get their own copy
+ * of the loop, fully unrolled (the arithmetic of a score is the same in every copy: the order
+ * above). */
 #define SCORE_LOOP(DIM)                                                                            \
     for (int i = 0; i < seen; i++) {                                                               \
         const float *k = keys + index[i] * k_row;                                                  \
-        for (int g = 0; g < group; g++)                                                            \
-            scores[g * stride + i] = dot(q + g * q_head, k, DIM) * scale + bias[i];               \
+        int g = 0;                                                                                 \
+        for (; g + 4 <= group; g += 4) {                                                           \
+            float sums[4];                                                                         \
+            lane_sums4(dot_lanes(q + g * q_head, k, DIM), dot_lanes(q + (g + 1) * q_head, k, DIM), \
+                       dot_lanes(q + (g + 2) * q_head, k, DIM),                                    \
+                       dot_lanes(q + (g + 3) * q_head, k, DIM), sums);                             \
+            for (int j = 0; j < 4; j++) scores[(g + j) * stride + i] = sums[j] * scale + bias[i];  \
+        }                                                                                          \
+        for (; g < group; g++)                                                                     \
+            scores[g * stride + i] = lane_sum(dot_lanes(q + g * q_head, k, DIM)) * scale + bias[i]; \
     }
 static void group_scores(const float *q, int64_t q_head, int group, const float *keys, int64_t k_row,
                          const int *index, const float *bias, int seen, int dim, float scale,
@@ -97,18 +123,44 @@ __attribute__((noinline)) static vec exp_lanes(vec x) {
     return p * (vec)bits;
 }
 
-/* o = sum_i p_i v_i / denominator over the seen keys in order, for a head dimension DIM that is a
- * multiple of 16 (accumulators in registers; the same order as the general loop below). */
-#define WEIGHTED_SUM(DIM)                                                                          \
+/* o_g = sum_i p_gi v_i / denominator_g over the seen keys in order, one lane per head dimension,
+ * for a head dimension DIM that is a multiple of 16: two heads at a time, so that a value row is
+ * read once for both (accumulators in registers; each head's sums are the ones the general loop
+ * below adds, in the same order). */
+#define WEIGHTED_SUMS(DIM)                                                                         \
     {                                                                                              \
-        vec sums[DIM / LANES];                                                                     \
-        for (int c = 0; c < DIM / LANES; c++) sums[c] = splat(0.0f);                               \
-        for (int i = 0; i < seen; i++) {                                                           \
-            const vec p = splat(scores[i]);                                                        \
-            const float *v = values + index[i] * v_row;                                            \
-            for (int c = 0; c < DIM / LANES; c++) sums[c] = sums[c] + p * load(v + c * LANES);     \
+        int g = 0;                                                                                 \
+        for (; g + 2 <= group; g += 2) {                                                           \
+            vec first[DIM / LANES], second[DIM / LANES];                                           \
+            const float *p0 = all_scores + (int64_t)g * padded, *p1 = p0 + padded;                 \
+            for (int c = 0; c < DIM / LANES; c++) first[c] = second[c] = splat(0.0f);              \
+            for (int i = 0; i < seen; i++) {                                                       \
+                const vec a = splat(p0[i]), b = splat(p1[i]);                                      \
+                const float *v = values + index[i] * v_row;                                        \
+                for (int c = 0; c < DIM / LANES; c++) {                                            \
+                    const vec x = load(v + c * LANES);                                             \
+                    first[c] = first[c] + a * x;                                                   \
+                    second[c] = second[c] + b * x;                                                 \
+                }                                                                                  \
+            }                                                                                      \
+            float *o = o_row + (int64_t)(h * group + g) * DIM;                                     \
+            for (int c = 0; c < DIM / LANES; c++) {                                                \
+                store(o + c * LANES, first[c] / splat(denominators[g]));                           \
+                store(o + DIM + c * LANES, second[c] / splat(denominators[g + 1]));                \
+            }                                                                                      \
         }                                                                                          \
-        for (int c = 0; c < DIM / LANES; c++) store(o + c * LANES, sums[c] / denominator);         \
+        for (; g < group; g++) {                                                                   \
+            vec sums[DIM / LANES];                                                                 \
+            const float *p0 = all_scores + (int64_t)g * padded;                                    \
+            for (int c = 0; c < DIM / LANES; c++) sums[c] = splat(0.0f);                           \
+            for (int i = 0; i < seen; i++) {                                                       \
+                const vec a = splat(p0[i]);                                                        \
+                const float *v = values + index[i] * v_row;                                        \
+                for (int c = 0; c < DIM / LANES; c++) sums[c] = sums[c] + a * load(v + c * LANES); \
+            }                                                                                      \
+            float *o = o_row + (int64_t)(h * group + g) * DIM;                                     \
+            for (int c = 0; c < DIM / LANES; c++) store(o + c * LANES, sums[c] / splat(denominators[g])); \
+        }                                                                                          \
     }
 
 /* Mask kinds: 0 none (causal: row r sees keys 0 .. L - R + r), 1 additive float (a key is seen when
@@ -152,8 +204,9 @@ int specdec_fixed_order_attention(
         int *index = malloc(sizeof(int) * (size_t)length);
         float *bias = malloc(sizeof(float) * (size_t)length);
         float *all_scores = malloc(sizeof(float) * (size_t)padded * (size_t)group);
+        float *denominators = malloc(sizeof(float) * (size_t)group);
         vec *acc = aligned_alloc(sizeof(vec), sizeof(vec) * (size_t)chunks);
-        if (!index || !bias || !all_scores || !acc) failed = 1;
+        if (!index || !bias || !all_scores || !denominators || !acc) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; task++) {
             if (failed) continue;
@@ -170,9 +223,7 @@ int specdec_fixed_order_attention(
             const float *q_group = query + b * q_batch + (int64_t)h * group * q_head + r * q_row;
             group_scores(q_group, q_head, group, keys, k_row, index, bias, seen, dim, scale, all_scores,
                          padded);
-            for (int g = 0; g < group; g++) {
-                const int head = h * group + g;
-                float *o = o_row + (int64_t)head * dim;
+            for (int g = 0; g < group; g++) { /* softmax numerators in place, and denominators */
                 float *scores = all_scores + (int64_t)g * padded;
                 float top = -3.4e38f;
                 for (int i = 0; i < seen; i++)
@@ -187,13 +238,18 @@ int specdec_fixed_order_attention(
                     store(scores + blk * LANES, p);
                     total = total + p;
                 }
-                const vec denominator = splat(lane_sum(total));
-                if (dim == 128) {
-                    WEIGHTED_SUM(128)
-                } else if (dim == 64) {
-                    WEIGHTED_SUM(64)
-                } else {
-                    const int whole = dim / LANES, rest = dim - whole * LANES;
+                denominators[g] = lane_sum(total);
+            }
+            if (dim == 128) {
+                WEIGHTED_SUMS(128)
+            } else if (dim == 64) {
+                WEIGHTED_SUMS(64)
+            } else {
+                const int whole = dim / LANES, rest = dim - whole * LANES;
+                for (int g = 0; g < group; g++) {
+                    const float *scores = all_scores + (int64_t)g * padded;
+                    const vec denominator = splat(denominators[g]);
+                    float *o = o_row + (int64_t)(h * group + g) * dim;
                     for (int c = 0; c < chunks; c++) acc[c] = splat(0.0f);
                     for (int i = 0; i < seen; i++) {
                         const vec p = splat(scores[i]);
@@ -212,6 +268,7 @@ int specdec_fixed_order_attention(
         free(index);
         free(bias);
         free(all_scores);
+        free(denominators);
         free(acc);
     }
     return failed ? -1 : 0;

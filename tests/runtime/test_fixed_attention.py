@@ -214,3 +214,14 @@ def test_a_compiler_that_fails_says_what_it_said(monkeypatch, tmp_path):
             load_kernel()
     finally:
         load_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("dim", [64, 128, 40])
+def test_heads_computed_together_equal_each_head_alone(dim):
+    """Scores of four heads share their lane sums and values of two heads share their reads:
+    each head's numbers are still the ones it gets alone (the same sums in the same order)."""
+    query, key, value = tensors(heads=7, kv_heads=1, rows=3, length=50, dim=dim, seed=4)
+    together = fixed_order_attention(query, key, value, causal_mask(3, 50))
+    for head in range(7):
+        alone = fixed_order_attention(query[:, head:head + 1], key, value, causal_mask(3, 50))
+        assert torch.equal(together[:, :, head], alone[:, :, 0])
