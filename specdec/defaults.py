@@ -44,7 +44,7 @@ MODEL_FREE_SOURCES: tuple[str, ...] = (DraftSource.LOOKUP, DraftSource.SUFFIX)
 DEFAULT_DRAFT_SOURCE = DraftSource.HYBRID
 
 # Weight precisions a model can be loaded in (specdec.runtime.loading). "int8": every nn.Linear
-# with int8 weights per channel and int8 activations per row, attention in float64 (CPU only;
+# with int8 weights per channel and int8 activations per row, pass-invariant attention (CPU only;
 # batch-invariant, specdec.runtime.int8). Each precision is its own target model: the output is
 # distributed exactly as the loaded precision's model.
 PRECISIONS = ("float32", "bfloat16", "float16", "int8")

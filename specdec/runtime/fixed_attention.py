@@ -94,7 +94,7 @@ def _build(compiler: Path, source: bytes, library: Path) -> None:
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel, built on first use (~1 s) into <specdec home>/kernels (or the temp
+    """The compiled kernel, built on first use (~0.2 s) into <specdec home>/kernels (or the temp
     directory where the home is not writable), keyed by source, compiler, flags and CPU; else
     KernelUnavailable saying why."""
     source = resources.files("specdec.runtime").joinpath(SOURCE).read_bytes()

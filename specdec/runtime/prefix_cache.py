@@ -11,7 +11,7 @@ turn, which resends that session's tokens and more, goes on from its last cached
 its last block boundary.
 
 Sessions copy a hit into their own cache (a contiguous buffer, or a slot of the CUDA pool), so the
-attention kernels, the captured graphs and the exact float64 attention of int8 models see the same
+attention kernels, the captured graphs and the pass-invariant attention of int8 models see the same
 layout as ever; the copy costs a memory move, against a forward pass for a miss. Blocks are
 immutable once stored: a session that took a block holds a reference to its tensors, so eviction
 only drops the store's reference and never touches what a live session uses.
