@@ -80,7 +80,9 @@ def services(tiny_models, tmp_path_factory):
 def test_drafter_killed_mid_request_the_request_completes(services) -> None:
     argv = cli_argv("generate", "--address", services["orchestrator"].address, "--stream", "--json",
                     "--seed", "5", "--ignore-eos", "--max-new-tokens", str(LONG), "--k", "2", "t1 t2 t3")
-    client = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+    # Unbuffered: communicate() below reads the pipe's descriptor itself, so a buffered readline()
+    # would keep (and lose) whatever chunks arrived with the first one.
+    client = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=cli_env(),
                               cwd=ROOT, stdin=subprocess.DEVNULL)
     try:
         first = json.loads(client.stdout.readline() or "{}")  # blocks until the first chunk: mid-request
@@ -91,7 +93,7 @@ def test_drafter_killed_mid_request_the_request_completes(services) -> None:
         if client.poll() is None:
             client.kill()
             client.wait(timeout=10)
-    assert client.returncode == 0, stderr
+    assert client.returncode == 0, stderr.decode(errors="replace")
     lines = [first] + [json.loads(line) for line in stdout.splitlines() if line.strip()]
     result = lines[-1]
     assert result["type"] == "result" and result["finish_reason"] == "length"
