@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import platform
-from pathlib import Path
+
+from specdec.runtime.cpuinfo import cpuinfo_field
 
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (e.g. "AMD EPYC …"), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    return cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown CPU"

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from specdec.defaults import specdec_home
+from specdec.runtime.cpuinfo import cpuinfo_field
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,8 @@ def _compiler() -> Path:
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    """This CPU's feature flags (what -march=native compiles for), else its architecture."""
+    return cpuinfo_field("flags") or platform.machine()
 
 
 def _build(compiler: Path, source: bytes, library: Path) -> None:

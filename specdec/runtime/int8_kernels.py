@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.runtime.cpuinfo import cpuinfo_field
 from specdec.runtime.int8 import FBGEMM, INT_MM, Int8Product
 
 log = logging.getLogger(__name__)
@@ -47,14 +48,7 @@ Timings = dict[int, tuple[float, float]]  # rows → (fbgemm seconds, _int_mm se
 
 def cpu_key(threads: int | None = None) -> str:
     """What a measurement depends on: CPU model, torch's CPU capability, torch version, threads."""
-    model = platform.machine()  # (platform.processor() would fork `uname -p`)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpuinfo_field("model name") or platform.machine()
     capability = torch.backends.cpu.get_cpu_capability()
     threads = torch.get_num_threads() if threads is None else threads
     return f"{model} | {capability} | torch {torch.__version__} | {threads} threads"
