@@ -27,7 +27,8 @@ from specdec.defaults import PRECISIONS, resolve_precision, specdec_home
 from specdec.engine.api import ModelInfo
 from specdec.runtime.allocator import keep_freed_memory
 from specdec.runtime.compute_thread import ComputeThread
-from specdec.runtime.int8 import quantize_linears, use_invariant_attention
+from specdec.runtime.fixed_attention import attention_choice
+from specdec.runtime.int8 import invariant_kv_dtype, quantize_linears, use_invariant_attention
 from specdec.runtime.int8_kernels import CACHE_FILE as KERNEL_CACHE_FILE
 from specdec.runtime.int8_kernels import choose_kernels
 from specdec.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
@@ -277,9 +278,10 @@ def quantize_int8(model: Any, kernel_cache: Path | None = None) -> Any:
         for tensor in (*model.parameters(), *model.buffers()):
             if id(tensor) not in linear_weights:
                 tensor.data = tensor.data.clone()
-        model = quantize_linears(model)
+        attention = attention_choice()  # once: the cache's dtype and the attention that reads it
+        model = quantize_linears(model, kv_dtype=invariant_kv_dtype(attention))
     choose_kernels(model, kernel_cache)
-    use_invariant_attention(model)
+    use_invariant_attention(model, attention)
     gc.collect()
     return model
 
