@@ -6,7 +6,8 @@ by every request, learns from the iterations the orchestrator already runs, with
 decaying weights (half-life HALF_LIFE iterations), so it follows a workload that changes:
 
   α_d     acceptance at draft depth d given depth d was reached (shrunk towards the pooled α),
-  W(k)    the measured wall time of an iteration at draft length k (k = 0: target-only),
+  W(k)    the measured wall time of an iteration at draft length k (k = 0: target-only; until the
+          pair runs k = 0 itself, a target-only step alone as the hybrid measures it),
   h(k)    the share of iterations at k that drafted (pre-drafted only: the others were steps),
   T_p(n)  the verifier call's time for n positions (a line through the measured sizes),
   T_q     the drafter's time per drafted token,
@@ -156,6 +157,9 @@ class PairEstimates:
     """Acceptance and timings of one model pair and method, over every request (module docstring)."""
 
     half_life: float = HALF_LIFE
+    # Where the orchestrator measures target-only steps with nothing beside them (the hybrid's
+    # SourceEstimates): W(0) until this pair has run k = 0 itself (iteration_seconds).
+    alone: SourceEstimates | None = field(default=None, repr=False, compare=False)
     _hits: list[_Mean] = field(default_factory=list)  # per depth: accepted (1) or not (0)
     _wall: dict[int, _Mean] = field(default_factory=dict)  # per chosen length (Observation.chosen)
     _drafted: dict[int, _Mean] = field(default_factory=dict)  # per chosen length ≥ 1: drafted (1) or not
@@ -203,6 +207,12 @@ class PairEstimates:
     def pooled_alpha(self) -> float:
         return _pooled(self._hits, PRIOR_ALPHA, 1e-9 if self._hits else 1.0)
 
+    def forget_acceptance(self) -> None:
+        """Keep the timings, drop what the drafts' acceptance taught (a start-up warm-up's prompt is
+        not the users' workload: its acceptance must not steer their first requests)."""
+        self._hits.clear()
+        self._drafted.clear()
+
     def drafted_share(self, k: int) -> float:
         """The share of iterations at chosen length k that drafted (1 when every one drafts: fresh
         drafts; below when only pre-drafts are verified), with SHARE_PRIOR pseudo-samples of the
@@ -234,11 +244,19 @@ class PairEstimates:
         return wall.weight if wall is not None else 0.0
 
     def iteration_seconds(self, k: int) -> float:
-        """W(k): measured where k ran recently enough, else the timed model (nan: nothing to go on)."""
+        """W(k): measured where k ran recently enough, else the timed model (nan: nothing to go on).
+
+        W(0) unmeasured is a target-only step alone, as `alone` measured it, before T_p(1): the
+        pair's 1-position verifier calls are mostly the steps a pre-drafted-only request takes
+        beside its drafter's look-ahead, and where the drafter shares the verifier's cores those
+        run at half speed (2 vCPUs: 150–230 against 72–80 ms, bench/RESULTS.md "The draft model's
+        W(0)"), so T_p(1) made target-only look as slow as the look-ahead and the model drafted
+        where steps alone were faster."""
         if self.weight(k) >= MIN_WEIGHT:
             return self._wall[k].value
         if k == 0:
-            return self.target_seconds(1)
+            alone = self.alone.iteration_seconds(1) if self.alone is not None else math.nan
+            return alone if math.isfinite(alone) else self.target_seconds(1)
         overhead = self._overhead.value if self._overhead.weight > 0 else 0.0
         return self._model_seconds(k, overhead)
 
@@ -470,6 +488,11 @@ REQUEST_PRIOR = 4.0
 # instead of staying target-only for good (measured: a rename that drafted 0 of its last 21 steps).
 REQUEST_FORGET = 0.8
 
+# A model-free draft's node cap follows the measured pass time: it may grow while a pass verifying the
+# draft costs at most this many target-only steps, so a draft rejected whole costs at most one step
+# more than the step it replaced, whatever the CPU (docs/algorithms.md §15, "How long a model-free draft").
+DRAFT_COST_STEPS = 2.0
+
 
 def request_calibration(shared: float, predicted: float, accepted: float,
                         prior: float = REQUEST_PRIOR) -> float:
@@ -534,6 +557,12 @@ class SourceEstimates:
             self._model_side.fade(0.5 ** (1.0 / self.half_life))
             self._model_side.add(model_side / tokens, weight=tokens)
 
+    def forget_acceptance(self) -> None:
+        """Keep W(r) and B, drop c_s and the model-side share (see PairEstimates.forget_acceptance)."""
+        self._predicted.clear()
+        self._accepted.clear()
+        self._model_side = _Mean()
+
     def model_side_share(self) -> float:
         """The recent share of tokens made without a model-free draft (nan before any)."""
         return self._model_side.value
@@ -551,3 +580,23 @@ class SourceEstimates:
         """W(B·n): an iteration verifying n positions, charged the pass it makes when each of the
         pass's B calls verifies as many (class docstring; nan before any measurement)."""
         return _line_seconds(self._wall, self.batch_calls() * positions)
+
+    def node_cap(self, floor: int, ceiling: int) -> int:
+        """The most nodes a model-free draft may have: the largest m in [floor, ceiling] whose pass,
+        W(m + 1), costs at most DRAFT_COST_STEPS target-only steps, W(1). Cheap wide passes (a CPU
+        with AMX, a GPU) raise it, expensive ones keep it at `floor` (the configured cap); `floor`
+        too until two pass sizes were measured (the line's slope is then a prior, not this machine's)."""
+        if ceiling <= floor or len([m for m in self._wall.values() if m.weight > 0]) < 2:
+            return floor
+        step = self.iteration_seconds(1)
+        budget = DRAFT_COST_STEPS * step
+        if not math.isfinite(step) or self.iteration_seconds(floor + 1) > budget:
+            return floor
+        low, high = floor, ceiling  # invariant: W(low + 1) within budget; W is a line, so bisect
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.iteration_seconds(middle + 1) <= budget:
+                low = middle
+            else:
+                high = middle - 1
+        return low

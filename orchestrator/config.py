@@ -70,6 +70,15 @@ class OrchestratorConfig(BaseSettings):
     suffix_cache_tokens: int = Field(262_144, ge=0)
     suffix_cache_partitions: int = Field(16, ge=1)
     suffix_max_nodes: int = Field(16, ge=1, le=MAX_TREE_NODES)
+    # The hybrid (timed requests) lets those two caps grow up to this many nodes while the measured
+    # verifier pass of such a draft costs at most two target-only steps (adaptation.DRAFT_COST_STEPS):
+    # cheap wide passes (AMX, a GPU) draft longer, expensive ones keep the caps. 0 keeps the caps.
+    model_free_max_nodes: int = Field(64, ge=0, le=MAX_TREE_NODES)
+    # A served orchestrator (`specdec serve orchestrator`, `up`) first generates this many tokens of a
+    # private warm-up request once its engines answer, so that the first user's request finds the
+    # pass and call times measured (Orchestrator.warm_up; 0: none). Out of metrics, traces and the
+    # caches users share; its acceptance is forgotten, its timings kept.
+    warm_up_tokens: int = Field(24, ge=0, le=1024)
 
     # Pipelined speculation (orchestrator.drafting.model): while the verifier checks a
     # block, the drafter already drafts the next one from the prefix that full acceptance would

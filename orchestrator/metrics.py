@@ -130,8 +130,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.0, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                0.5, 0.75, 1.0, 2.5, 5.0)
-# Accepted tokens per draft: whole numbers, from 0 to a long model-free draft (lookup_max_tokens,
-# suffix_max_nodes: the accepted path of a long copy can be tens of tokens).
+# Accepted tokens per draft: whole numbers, from 0 to a long model-free draft (up to
+# model_free_max_nodes: the accepted path of a long copy can be tens of tokens).
 ACCEPTED_LENGTH_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0, 48.0,
                            64.0)
 DEFAULT_MODEL = "default"

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 from orchestrator import scheduling
@@ -34,7 +35,7 @@ from orchestrator.health import Dependencies
 from orchestrator.output import PARTIAL, Absorbed, absorb, context_full, text_delta
 from orchestrator.probes import IterationProbe, LoopObserver, RequestProbe
 from orchestrator.request_checks import check_prompt, check_request, check_request_id
-from orchestrator.run import Run, RunState, new_run
+from orchestrator.run import Run, RunState, cache_partition, new_run
 from orchestrator.sessions import RunSessions
 from orchestrator.store import RequestRecord, Store, StoreOutage, open_store
 from orchestrator.timeline import Timeline
@@ -50,9 +51,16 @@ from specdec.generation import (
 )
 from specdec.methods import AUTOREGRESSIVE, get_method
 from specdec.model_free import SuffixCaches
+from specdec.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 FINAL_SAVE_RETRY_S = 0.25  # between tries of a finished request's save while the store is down
+# The warm-up's prompt (Orchestrator.warm_up): code with a repeat in it, so that it drafts from the model
+# and from its own n-grams and steps alone, at a few pass widths, as users' requests do.
+WARM_UP_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+                  "def mul(a, b):\n    return a * b\n\n\ndef")
+WARM_UP_OWNER = "specdec:warm-up"  # its record's owner: no caller's identity, so no caller sees it
+WARM_UP_TIMEOUT_S = 120.0
 
 
 class Orchestrator:
@@ -83,6 +91,7 @@ class Orchestrator:
         self.admission = RequestSlots(config.max_active_requests, config.queue_timeout_s)
         self.callers = CallerLimit(config.max_requests_per_caller)
         self._estimates: dict[str, PairEstimates] = {}  # per model pair and method (adaptation.py)
+        self._unobserved: set[str] = set()  # request ids the observer does not see (the warm-up)
         # Model-free drafting (orchestrator.drafting): the caches of recent requests' tokens, per process
         # (per replica) and partition (caller and cache_salt), and what each model-free source is worth.
         self.suffix_caches = SuffixCaches(config.suffix_cache_partitions,
@@ -141,6 +150,40 @@ class Orchestrator:
     async def close(self) -> None:
         await self.link.close()
         await self.store.close()
+
+    async def warm_up(self, max_new_tokens: int | None = None,
+                      timeout_s: float = WARM_UP_TIMEOUT_S) -> GenerationResult | None:
+        """Measure before the first user's request: generate `max_new_tokens` (config.warm_up_tokens)
+        of WARM_UP_PROMPT through the loop as a request with no knobs would, so the estimates its
+        choices read (W(n) of steps and model-free drafts, the draft model's W(k) and T_q, the
+        drafter's pass time behind its catch-up's expected cost) are measured, not priors; then
+        forget what its acceptance taught (the users' prompts are not this one). A fresh server's
+        first request otherwise explored on the user's time (bench/RESULTS.md "The first requests of a
+        fresh server"). The request is private: no observer sees it (request and iteration metrics,
+        spans), its cache salt is its own and its suffix-cache partition is dropped afterwards, its
+        record belongs to WARM_UP_OWNER. The engines' own call counters do count its calls. None
+        (logged): it failed or ran past `timeout_s`; serving goes on without it."""
+        tokens = self.config.warm_up_tokens if max_new_tokens is None else max_new_tokens
+        if tokens <= 0:
+            return None
+        name = f"specdec-warm-up-{uuid.uuid4().hex}"
+        request = GenerationRequest(prompt=WARM_UP_PROMPT, max_new_tokens=tokens, stop_token_ids=[],
+                                    sampling=SamplingParams(temperature=0.0), request_id=name,
+                                    cache_salt=name)
+        self._unobserved.add(name)
+        try:
+            result = await asyncio.wait_for(self.generate(request, owner=WARM_UP_OWNER), timeout_s)
+        except Exception as exc:  # a warm-up that failed measured less, nothing worse
+            log.warning("warm-up request failed (%s: %s); the first requests measure instead",
+                        type(exc).__name__, exc)
+            return None
+        finally:
+            self._unobserved.discard(name)
+            self.suffix_caches.drop(cache_partition(WARM_UP_OWNER, name))
+            self.source_estimates.forget_acceptance()
+            for estimates in self._estimates.values():
+                estimates.forget_acceptance()
+        return result
 
     # public API --------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest, *, owner: str = ANONYMOUS,
@@ -308,7 +351,11 @@ class Orchestrator:
         )
 
     def _pair_estimates(self, method: str) -> PairEstimates:
-        return self._estimates.setdefault(f"{self.pair_key}|{method}", PairEstimates())
+        key = f"{self.pair_key}|{method}"
+        estimates = self._estimates.get(key)
+        if estimates is None:
+            estimates = self._estimates[key] = PairEstimates(alone=self.source_estimates)
+        return estimates
 
     # the loop ----------------------------------------------------------------------------------
     async def _run(self, run: Run, first: GenerationChunk | None = None) -> AsyncIterator[GenerationChunk]:
@@ -350,7 +397,7 @@ class Orchestrator:
         error: BaseException | None = None
         outage = StoreOutage(self.config.store_outage_grace_s)
         sent = len(state.generated)  # the tokens the client has (a resume's first chunk carries them)
-        if self.observer is not None:
+        if self.observer is not None and run.request_id not in self._unobserved:
             run.probe = _observe_start(run, self.observer)
         try:
             if context_full(run, self.link.max_context()):  # e.g. a resumed request that filled the window

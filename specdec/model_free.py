@@ -643,6 +643,10 @@ class SuffixCaches:
         self._caches.move_to_end(partition)
         return cache
 
+    def drop(self, partition: str) -> None:
+        """Forget one partition's cache (no-op when it has none)."""
+        self._caches.pop(partition, None)
+
     def __len__(self) -> int:
         return len(self._caches)
 

@@ -19,6 +19,10 @@ import pytest
 
 from tests.helpers import TEST_DEVICE_VARIABLE, device_under_test
 
+# A served orchestrator's start-up warm-up request (OrchestratorConfig.warm_up_tokens) would add its
+# engine calls, sessions and spans to every test that counts them; the tests of the warm-up turn it on.
+os.environ.setdefault("SPECDEC_WARM_UP_TOKENS", "0")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--test-device", default=None, metavar="DEVICE",

@@ -114,7 +114,8 @@ def _hybrid(run: Run, context: DraftingContext) -> HybridChooser:
     estimates = context.source_estimates if context.source_estimates is not None else SourceEstimates()
     sampled = run.settings.sampling.temperature > 0
     return HybridChooser(free, model, estimates, timed=not seeded, sampled=sampled,
-                         busy=draft_model_busy(context, seeded))
+                         busy=draft_model_busy(context, seeded),
+                         max_nodes=context.config.model_free_max_nodes)
 
 
 def draft_model_busy(context: DraftingContext, seeded: bool) -> Callable[[], bool] | None:

@@ -55,10 +55,14 @@ class HybridChooser(ProposerBase):
     source = DraftSource.HYBRID
 
     def __init__(self, free: Sequence[ModelFreeProposer], model: Proposer | None, estimates: SourceEstimates,
-                 *, timed: bool, sampled: bool = False, busy: Callable[[], bool] | None = None) -> None:
+                 *, timed: bool, sampled: bool = False, busy: Callable[[], bool] | None = None,
+                 max_nodes: int = 0) -> None:
         """`busy()`: whether the deployment is too loaded for the draft model now (more requests run
-        than OrchestratorConfig.draft_model_max_requests); None: never."""
+        than OrchestratorConfig.draft_model_max_requests); None: never. `max_nodes`: how far a timed
+        request's model-free drafts may grow past their sources' configured caps where the measured
+        pass time allows (SourceEstimates.node_cap; 0 or below a cap: the caps stay)."""
         self.free = {proposer.source: proposer for proposer in free}
+        self.max_nodes = max_nodes
         self.model = model
         self.busy = busy
         self.estimates = estimates
@@ -76,7 +80,7 @@ class HybridChooser(ProposerBase):
         best: tuple[ModelFreeProposer, Proposal] | None = None
         best_rate = -math.inf
         for proposer in self.free.values():
-            proposal = proposer.offer(step)
+            proposal = proposer.offer(step, self.node_cap(proposer))
             if proposal is None:
                 continue
             cut, rate = self.best_cut(proposal, beside_model=model_may)
@@ -94,6 +98,13 @@ class HybridChooser(ProposerBase):
         assert self.model is not None
         step.turn = DraftSource.MODEL
         return self.model.plan(step)
+
+    def node_cap(self, proposer: ModelFreeProposer) -> int:
+        """The proposer's node budget this iteration: its configured cap, raised by the measured pass
+        time for a timed request (SourceEstimates.node_cap); a seeded request reads no timings."""
+        if not self.timed:
+            return proposer.max_nodes
+        return self.estimates.node_cap(proposer.max_nodes, self.max_nodes)
 
     def model_pays(self, step: Step) -> bool:
         """Whether the draft model may plan this iteration: always when it has (almost) every committed

@@ -47,15 +47,17 @@ class ModelFreeProposer(ProposerBase):
         """A draft after `committed` within `budget` (None: nothing worth proposing)."""
         raise NotImplementedError
 
-    def offer(self, step: Step) -> Proposal | None:
-        """This source's proposal for the step's prefix, within the context windows and the node budget."""
+    def offer(self, step: Step, max_nodes: int | None = None) -> Proposal | None:
+        """This source's proposal for the step's prefix, within the context windows and the node budget
+        (`max_nodes`; None: the configured cap, self.max_nodes)."""
         cap = step.depth_cap(step.position)
-        if cap <= 0:
+        nodes = self.max_nodes if max_nodes is None else max_nodes
+        if cap <= 0 or nodes < 1:
             return None
-        proposal = self.propose(step.committed, Budget(self.max_nodes, cap))
+        proposal = self.propose(step.committed, Budget(nodes, cap))
         if proposal is None or len(proposal) == 0:
             return None
-        proposal = proposal.truncated(self.max_nodes)
+        proposal = proposal.truncated(nodes)
         if proposal is None or proposal.depth() > cap:
             return None
         return proposal

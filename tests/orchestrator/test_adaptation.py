@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from orchestrator.adaptation import DraftLength, Observation, PairEstimates
+from orchestrator.adaptation import DraftLength, Observation, PairEstimates, SourceEstimates
 from specdec.theory import expected_tokens_per_iteration
 from tests.orchestrator.helpers import slowed_model
 
@@ -454,3 +454,56 @@ async def test_pipelined_requests_verify_only_pre_drafts(model_dirs, predrafted_
         assert steps and not result.iterations[0].drafted
     else:
         assert result.stats.pre_drafts_used < len(drafted) and result.iterations[0].drafted
+
+
+@dataclass
+class SharedCoresWorkload(PredraftedOnlyWorkload):
+    """Pre-drafted only where the drafter shares the verifier's cores (`up` on one CPU): beside a
+    look-ahead the verifier's pass runs at half speed, so a step beside the look-ahead costs twice a
+    step alone (2 vCPUs: 150–230 against 72–80 ms)."""
+
+    def drafted_wall(self, k: int) -> float:
+        return max(2.0 * self.target(k + 1), self.look_ahead(k)) + self.overhead
+
+    def step_wall(self, k: int) -> float:
+        if k == 0:
+            return self.target(1) + self.overhead
+        return max(2.0 * self.target(1), self.look_ahead(k)) + self.overhead
+
+    def verify_seconds(self, k: int, drafted: int) -> float:
+        return (2.0 if k else 1.0) * self.target(drafted + 1)
+
+
+@pytest.mark.parametrize("alone_measured", [True, False])
+def test_target_only_is_judged_by_steps_alone_not_by_steps_beside_the_look_ahead(
+        alone_measured: bool) -> None:
+    """A pair that has run pre-drafted only at k = 2 (drafted iterations and steps beside the
+    look-ahead, at half speed) and never k = 0: its 1-position verifier calls are those steps, so
+    read as W(0) they make target-only look as slow as drafting and a request drafts on although
+    steps alone are faster (the negative case). With the hybrid's measure of steps alone
+    (SourceEstimates, W(1)) the pair's W(0) is a step alone and the request's best is target-only."""
+    work = SharedCoresWorkload(alpha=0.6, t_p=0.07, t_q=0.03, guess=0.5, step_guess=0.5)
+    assert work.rate(2) < 0.8 * work.rate(0)  # drafting loses here
+    alone = SourceEstimates()
+    if alone_measured:
+        for rows in (1, 2, 3):
+            for _ in range(4):
+                alone.observe(None, predicted=0.0, accepted=0, positions=rows,
+                              wall_seconds=work.target(rows) + work.overhead)
+    pair = PairEstimates(alone=alone)
+    rng, predrafted = random.Random(8), None
+    for _ in range(200):  # the pair's history: requests at k = 2
+        drafted = 2 if predrafted == 2 else 0
+        accepted = work.accepted(drafted, rng)
+        wall = work.drafted_wall(2) if drafted else work.step_wall(2)
+        came_true = rng.random() < (work.guess if drafted else work.step_guess)
+        predrafted = 2 if accepted == drafted and came_true else None
+        pair.observe(Observation(drafted=drafted, accepted=accepted, wall_seconds=wall,
+                                 verify_seconds=work.verify_seconds(2, drafted),
+                                 draft_seconds=work.look_ahead(2), setting=2))
+    w0 = pair.iteration_seconds(0)
+    if alone_measured:
+        assert w0 == pytest.approx(work.step_wall(0), rel=0.01)
+    else:
+        assert w0 == pytest.approx(2.0 * work.target(1), rel=0.01)  # a step beside the look-ahead
+    assert (DraftLength(pair, k_max=4, start_k=2).best() == 0) == alone_measured

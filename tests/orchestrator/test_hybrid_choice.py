@@ -66,8 +66,9 @@ class _Proposes:
     """A model-free source that proposes CHAIN at every prefix."""
 
     source = "suffix"
+    max_nodes = 16
 
-    def offer(self, step):
+    def offer(self, step, max_nodes=None):
         return CHAIN
 
     def plan_for(self, step, proposal):
@@ -161,8 +162,9 @@ class _Model(ProposerBase):
 
 class _NoMatch:
     source = "suffix"
+    max_nodes = 16
 
-    def offer(self, step):
+    def offer(self, step, max_nodes=None):
         return None
 
     def plan_for(self, step, proposal):
@@ -225,7 +227,9 @@ class _ProposesEveryOther:
     def __init__(self) -> None:
         self.calls = 0
 
-    def offer(self, step):
+    max_nodes = 16
+
+    def offer(self, step, max_nodes=None):
         self.calls += 1
         return CHAIN if self.calls % 2 == 0 else None
 
