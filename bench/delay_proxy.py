@@ -4,27 +4,46 @@
 orchestrator and each engine. Each direction of a connection is a queue of (due time, chunk): a
 chunk read at t is written at t + delay, in order, so the relay adds latency without limiting
 bandwidth (the benchmark's messages are small). It runs its own event loop in a thread.
+
+As a process of its own (bench/bench_hosts.py runs one in the orchestrator's network namespace, in
+front of each engine), until SIGTERM or Ctrl-C:
+
+    python -m bench.delay_proxy --target 10.213.0.6:50051 --delay-ms 2 --host 10.213.0.66 \
+        --ready-file relay.ready.json      # JSON {address, host, port, pid} once listening
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 CHUNK = 1 << 16
 
 
 class DelayProxy:
-    """Listens on 127.0.0.1:`port` (0: any free port) and relays to `target` with `delay_s` each way."""
+    """Listens on `host`:`port` (0: any free port) and relays to `target` with `delay_s` each way."""
 
-    def __init__(self, target: tuple[str, int], delay_s: float, port: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        target: tuple[str, int],
+        delay_s: float,
+        port: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        host: str = "127.0.0.1",
+    ) -> None:
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0, got {delay_s}")
         self.target, self.delay_s, self.clock = target, delay_s, clock
-        self.port = port
+        self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="delay-proxy", daemon=True)
@@ -33,7 +52,8 @@ class DelayProxy:
     def start(self) -> DelayProxy:
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._accept, "127.0.0.1", self.port), self._loop).result(timeout=10)
+            asyncio.start_server(self._accept, self.host, self.port), self._loop
+        ).result(timeout=10)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -58,7 +78,8 @@ class DelayProxy:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
 
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         try:
@@ -98,3 +119,56 @@ class DelayProxy:
             except (TimeoutError, ConnectionError, asyncio.CancelledError):
                 delivery.cancel()
             writer.close()
+
+
+def _write_ready_file(path: Path, payload: dict) -> None:
+    """Atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".ready-", dir=path.parent)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(payload, handle)
+    os.replace(tmp, path)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.delay_proxy",
+        description="Relay TCP from --host:--port to --target, each byte delayed --delay-ms each way; "
+        "runs until SIGTERM or Ctrl-C.",
+    )
+    p.add_argument("--target", required=True, help="HOST:PORT to relay to")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay in milliseconds (default 0)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (default 0: any free port)")
+    p.add_argument(
+        "--ready-file", type=Path, default=None, help="once listening, write JSON {address, host, port, pid}"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.delay_ms < 0:
+        parser().error(f"--delay-ms must be >= 0, got {args.delay_ms:g}")
+    host, _, port = args.target.rpartition(":")
+    if not host or not port.isdigit():
+        parser().error(f"--target must be HOST:PORT, got {args.target!r}")
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    with DelayProxy(
+        (host.strip("[]"), int(port)), args.delay_ms / 1e3, port=args.port, host=args.host
+    ) as proxy:
+        if args.ready_file is not None:
+            payload = {"address": proxy.address, "host": proxy.host, "port": proxy.port, "pid": os.getpid()}
+            _write_ready_file(args.ready_file, payload)
+        print(f"relaying {proxy.address} -> {args.target}, {args.delay_ms:g} ms each way", flush=True)
+        while not stopping.wait(0.5):
+            pass
+    if args.ready_file is not None:
+        args.ready_file.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -48,6 +48,18 @@ def test_a_negative_delay_is_refused():
         DelayProxy(("127.0.0.1", 1), -0.001)
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--target", "127.0.0.1:1", "--delay-ms", "-1"], "--delay-ms"), (["--target", "nowhere"], "HOST:PORT")],
+)
+def test_the_relay_command_refuses_a_negative_delay_and_a_target_without_a_port(argv, message, capsys):
+    from bench import delay_proxy
+
+    with pytest.raises(SystemExit):
+        delay_proxy.main(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_hosts_summary_and_table_from_rows():
     from bench import bench_hosts
 
