@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench import netns
+from bench.bench_hosts import stop
 
 pytestmark = pytest.mark.slow  # starts processes in namespaces (tests/conftest.py, tiers)
 
@@ -53,15 +54,6 @@ def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 30.0) -> s
 def _left_behind(net: netns.Network) -> set[str]:
     veths = {link.a_dev for link in net.links if link.a_ns is None}
     return (netns.namespace_names() & set(net.namespaces.values())) | (netns.link_names() & veths)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=10)
 
 
 def test_a_relay_in_the_hub_reaches_a_spoke_with_the_delay_and_everything_goes_afterwards(tmp_path):
@@ -121,7 +113,7 @@ def test_a_relay_in_the_hub_reaches_a_spoke_with_the_delay_and_everything_goes_a
         finally:
             for process in (relay, echo):
                 if process is not None:
-                    _stop(process)
+                    stop(process)
     assert not _left_behind(net)
 
 
@@ -142,27 +134,9 @@ def test_bench_hosts_across_namespaces_on_the_tiny_pair(tiny_dirs, tmp_path):
     from bench import bench_hosts
 
     out = tmp_path / "out"
-    argv = [
-        "--netns",
-        "--delays-ms",
-        "1",
-        "--max-new-tokens",
-        "3",
-        "--warmup-tokens",
-        "2",
-        "--max-prompt-tokens",
-        "24",
-        "--dtype",
-        "float32",
-        "--draft",
-        str(tiny_dirs["draft"]),
-        "--target",
-        str(tiny_dirs["target"]),
-        "--startup-timeout",
-        "300",
-        "--out",
-        str(out),
-    ]
+    argv = ["--netns", "--delays-ms", "1", "--max-new-tokens", "3", "--warmup-tokens", "2",
+            "--max-prompt-tokens", "24", "--dtype", "float32", "--draft", str(tiny_dirs["draft"]),
+            "--target", str(tiny_dirs["target"]), "--startup-timeout", "300", "--out", str(out)]
     assert bench_hosts.main(argv) == 0
     saved = json.loads((out / "results.json").read_text())
     rows = saved["rows"]
