@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import netns
-from bench.delay_proxy import DelayProxy
+from bench.delay_proxy import DelayProxy, split_address
 from bench.machine import cpu_model
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
@@ -66,11 +66,6 @@ NAMESPACES, LOOPBACK = "namespaces", "loopback"
 
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def start_orchestrator(
@@ -204,8 +199,8 @@ def run_loopback(args: argparse.Namespace, prompts: dict[str, list[int]]) -> dic
         token_file = Path(server.info["log_dir"]) / "engine.token"  # up's engines accept its bearer token
         network["engines"] = {"drafter": server.info["drafter"], "verifier": server.info["verifier"]}
         for delay in args.delays_ms:
-            drafter = DelayProxy(_host_port(server.info["drafter"]), delay / 1e3).start()
-            verifier = DelayProxy(_host_port(server.info["verifier"]), delay / 1e3).start()
+            drafter = DelayProxy(split_address(server.info["drafter"]), delay / 1e3).start()
+            verifier = DelayProxy(split_address(server.info["verifier"]), delay / 1e3).start()
             name = f"orchestrator-{delay:g}ms"
             try:
                 process, address = start_orchestrator(

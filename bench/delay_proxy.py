@@ -16,17 +16,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from specdec.cli.processes import write_ready_file
+
 CHUNK = 1 << 16
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """("host", port) of host:port or [v6]:port (ValueError otherwise). The product's own parser
+    (orchestrator.clients.replicas.split_address) imports torch, which a relay process has no use for."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
 
 
 class DelayProxy:
@@ -121,15 +130,6 @@ class DelayProxy:
             writer.close()
 
 
-def _write_ready_file(path: Path, payload: dict) -> None:
-    """Atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".ready-", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(payload, handle)
-    os.replace(tmp, path)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.delay_proxy",
@@ -150,18 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.delay_ms < 0:
         parser().error(f"--delay-ms must be >= 0, got {args.delay_ms:g}")
-    host, _, port = args.target.rpartition(":")
-    if not host or not port.isdigit():
+    try:
+        target = split_address(args.target)
+    except ValueError:
         parser().error(f"--target must be HOST:PORT, got {args.target!r}")
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     with DelayProxy(
-        (host.strip("[]"), int(port)), args.delay_ms / 1e3, port=args.port, host=args.host
+        target, args.delay_ms / 1e3, port=args.port, host=args.host
     ) as proxy:
         if args.ready_file is not None:
             payload = {"address": proxy.address, "host": proxy.host, "port": proxy.port, "pid": os.getpid()}
-            _write_ready_file(args.ready_file, payload)
+            write_ready_file(args.ready_file, payload)
         print(f"relaying {proxy.address} -> {args.target}, {args.delay_ms:g} ms each way", flush=True)
         while not stopping.wait(0.5):
             pass
