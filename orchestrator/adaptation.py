@@ -249,8 +249,8 @@ class PairEstimates:
         W(0) unmeasured is a target-only step alone, as `alone` measured it, before T_p(1): the
         pair's 1-position verifier calls are mostly the steps a pre-drafted-only request takes
         beside its drafter's look-ahead, and where the drafter shares the verifier's cores those
-        run at half speed (2 vCPUs: 150–230 against 72–80 ms, bench/RESULTS.md "The draft model's
-        W(0)"), so T_p(1) made target-only look as slow as the look-ahead and the model drafted
+        run at half speed (2 vCPUs: 150–195 against 101–117 ms, bench/RESULTS.md "Issue 37's last
+        items"), so T_p(1) made target-only look as slow as the look-ahead and the model drafted
         where steps alone were faster."""
         if self.weight(k) >= MIN_WEIGHT:
             return self._wall[k].value
@@ -586,17 +586,13 @@ class SourceEstimates:
         W(m + 1), costs at most DRAFT_COST_STEPS target-only steps, W(1). Cheap wide passes (a CPU
         with AMX, a GPU) raise it, expensive ones keep it at `floor` (the configured cap); `floor`
         too until two pass sizes were measured (the line's slope is then a prior, not this machine's)."""
-        if ceiling <= floor or len([m for m in self._wall.values() if m.weight > 0]) < 2:
+        if ceiling <= floor or len({size for size, m in self._wall.items() if m.weight > 0}) < 2:
             return floor
         step = self.iteration_seconds(1)
-        budget = DRAFT_COST_STEPS * step
-        if not math.isfinite(step) or self.iteration_seconds(floor + 1) > budget:
+        per_node = self.iteration_seconds(2) - step  # W is a line in the positions: W(m + 1) = W(1) + m·this
+        if not math.isfinite(step):
             return floor
-        low, high = floor, ceiling  # invariant: W(low + 1) within budget; W is a line, so bisect
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self.iteration_seconds(middle + 1) <= budget:
-                low = middle
-            else:
-                high = middle - 1
-        return low
+        if per_node <= 0:
+            return ceiling
+        affordable = math.floor((DRAFT_COST_STEPS - 1.0) * step / per_node)
+        return max(floor, min(ceiling, affordable))

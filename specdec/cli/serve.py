@@ -495,13 +495,12 @@ def serve_orchestrator(
                 err.print(f"orchestrator without a drafter (--drafter none): draft source {source}: "
                           f"{WITHOUT_DRAFTER.get(source, 'target-only steps')}")
             obs.set_model(served_model_name or target_id)  # the metrics' model label, the spans' model
-            if config.warm_up_tokens:  # before the ready file: a user's first request finds times measured
-                began = time.monotonic()
-                warmed = await orchestrator.warm_up()
-                if warmed is not None:
-                    err.print(f"orchestrator warm-up: {len(warmed.token_ids)} tokens in "
-                              f"{time.monotonic() - began:.1f} s ({warmed.stats.iterations} iterations; "
-                              f"$SPECDEC_WARM_UP_TOKENS=0 skips it)")
+            began = time.monotonic()  # the warm-up, before the ready file (none at warm_up_tokens 0)
+            warmed = await orchestrator.warm_up()
+            if warmed is not None:
+                err.print(f"orchestrator warm-up: {len(warmed.token_ids)} tokens in "
+                          f"{time.monotonic() - began:.1f} s ({warmed.stats.iterations} iterations; "
+                          f"$SPECDEC_WARM_UP_TOKENS=0 skips it)")
             http_info = {} if http is None else {"http_url": http_url(host, http.port, front.tls)}
             if http is not None:
                 err.print(f"orchestrator OpenAI-compatible HTTP API on {http_info['http_url']}/v1 (model "
