@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,15 +185,37 @@ def wait_healthy(address: str, timeout: float, *, alive: Callable[[], bool] | No
 # ---------------------------------------------------------------- children
 
 
-def _child_preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask Linux to SIGTERM the child when the supervisor dies (no orphans even on SIGKILL)."""
-    try:
-        import ctypes
+# The parent-death signal is armed by a small launcher the child execs first, not by a preexec_fn:
+# a preexec_fn makes subprocess fork() instead of vfork(), so gRPC's fork handlers run and, in a
+# supervisor whose health checks left gRPC threads behind, restart its poller in the child, whose
+# descriptors close_fds then closes: the child aborted before exec ("epoll_wait error: Bad file
+# descriptor", grpc/grpc#43055; it killed `up`'s orchestrator once in a CI run). The launcher arms
+# PR_SET_PDEATHSIG (kept across exec), checks that the parent that started it is still its parent
+# (it may have died before the signal was armed), then execs the child's own argv in its place.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "os.execv(sys.argv[2], sys.argv[3:])\n"
+)
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except Exception:
-        pass
+
+def die_with_parent(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | None = None) -> list[str]:
+    """argv that runs `argv` with a SIGTERM armed for when this process dies (Linux; elsewhere argv
+    itself). The program is looked up here (on env's PATH, or from cwd when it names a path), so a
+    missing one still raises FileNotFoundError in the parent, as Popen does."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    if os.sep in argv[0]:
+        program: str | None = str(Path(cwd or ".", argv[0]).absolute())
+        if not os.access(program, os.X_OK):
+            program = None
+    else:
+        program = shutil.which(argv[0], path=env.get("PATH", os.defpath))
+    if program is None:
+        raise FileNotFoundError(f"no such program: {argv[0]!r}")
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), program, *argv]
 
 
 def cli_command(*args: str) -> list[str]:
@@ -281,9 +304,8 @@ def spawn(child: Child, env: dict[str, str] | None = None, cwd: str | Path | Non
     child._log_handle = log
     full_env = {**CHILD_ENV_DEFAULTS, **(os.environ if env is None else env)}
     child.process = subprocess.Popen(
-        child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-        cwd=cwd, start_new_session=True,
-        preexec_fn=_child_preexec if sys.platform.startswith("linux") else None,
+        die_with_parent(child.argv, full_env, cwd), stdin=subprocess.DEVNULL, stdout=log,
+        stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True,
     )
     if child.cores is not None and hasattr(os, "sched_setaffinity"):
         # The child pins itself too (--cores); doing it here as well closes the window before it does.

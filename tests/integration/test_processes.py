@@ -219,3 +219,52 @@ def test_a_stop_signal_while_the_main_thread_holds_the_events_lock_does_not_hang
         assert supervisor.stop_requested.wait(5)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
+def test_spawning_beside_live_grpc_threads_never_runs_grpc_fork_handlers(tmp_path) -> None:
+    """A child spawned while this process has gRPC threads must not be fork()ed: gRPC's fork handlers
+    would run and could restart its poller in the child, which close_fds then breaks (the child
+    aborts before exec: grpc/grpc#43055, seen once as `up`'s orchestrator dying of SIGABRT). gRPC
+    logs when a fork reaches its handlers while a call is in flight; with vfork nothing reaches them."""
+    script = textwrap.dedent(f"""
+        import sys, threading
+        from concurrent import futures
+        from pathlib import Path
+        import grpc
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+        from specdec.cli.processes import Child, Supervisor
+        server = grpc.server(futures.ThreadPoolExecutor(2))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{{port}}"))
+        done = threading.Event()
+        def calls():
+            while not done.is_set():
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        threading.Thread(target=calls, daemon=True).start()
+        supervisor = Supervisor(Path({str(tmp_path)!r}))
+        codes = []
+        for i in range(30):
+            child = supervisor.start(Child(f"c{{i}}", [sys.executable, "-S", "-c", "pass"],
+                                           Path({str(tmp_path)!r}) / f"c{{i}}.json",
+                                           Path({str(tmp_path)!r}) / f"c{{i}}.log"))
+            codes.append(child.process.wait(timeout=30))
+        done.set()
+        print(codes, flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(processes.__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == str([0] * 30)
+    assert "fork() handlers" not in result.stderr, "a child was fork()ed through gRPC's fork handlers"
+
+
+def test_a_missing_program_still_fails_in_the_parent(tmp_path) -> None:
+    supervisor = Supervisor(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no-such-program"):
+        supervisor.start(_child(supervisor, "missing", ["no-such-program-xyz", "--help"]))
+    with pytest.raises(FileNotFoundError):
+        supervisor.start(_child(supervisor, "missing2", ["./no/such/path"]))
