@@ -285,6 +285,12 @@ class RunSessions:
         except Exception as exc:
             log.debug("abandoned pre-draft ended with %s: %s", type(exc).__name__, exc)
 
+    def abandoned_call_running(self) -> bool:
+        """This run's abandoned pre-draft is still in its drafter call: a pass sent now shares the
+        drafter's cores with it (drafter_idle is False) though the run chose no drafter work."""
+        task = self.drafter_pending
+        return task is not None and not task.done()
+
     def drafter_idle(self) -> bool:
         """No drafter call runs now, of this run or another: a pass sent now may use the drafter's
         cores (VerifyRequest.drafter_idle)."""

@@ -46,6 +46,9 @@ class Step:
     predicted: float = 0.0  # hybrid: the chosen model-free proposal's expected accepted tokens
     steady: bool = True  # hybrid: the engines take in at most STEADY_CATCH_UP tokens before the pass
     drafter_steady: bool = True  # sequence drafts: the same, the drafter's catch-up included
+    # The pass ran beside this run's abandoned look-ahead (its drafter call still running), so at the
+    # drafter-shared width: what it cost is the look-ahead's, not a sample of a pass alone (W(n)).
+    beside_abandoned: bool = False
     counts: GenerationStats = field(default_factory=GenerationStats)  # pre-draft counts, for the loop
 
     @property
@@ -145,6 +148,7 @@ async def verify_draft(step: Step, draft: Draft, *, beside_drafter: bool = False
     strategy starts a drafter call beside it (a look-ahead), so the drafter is not idle even if no
     call runs yet when the pass is sent."""
     idle = not beside_drafter and step.sessions.drafter_idle()
+    step.beside_abandoned = not beside_drafter and step.sessions.abandoned_call_running()
     return await step.sessions.verify(step.committed, draft.tree, method=draft.method, params=draft.params,
                                       draft_probs=draft.rows, timeline=step.timeline,
                                       text=step.run.state.text_cursor, deterministic=draft.deterministic,

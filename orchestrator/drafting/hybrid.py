@@ -183,7 +183,9 @@ class HybridChooser(ProposerBase):
         if self.timed:
             self.estimates.observe_tokens(model_side=0 if free_turn else emitted, tokens=emitted)
         alone = not model_turn or (draft.target_only and not _beside_look_ahead(draft))
-        if alone and not draft.fallback:  # an iteration without the draft model: what W(n) measures
+        # An iteration without the draft model, its pass alone: what W(n) measures (not one beside
+        # the run's abandoned look-ahead, which ran at the drafter-shared width).
+        if alone and not draft.fallback and not step.beside_abandoned:
             source = draft.source if free_turn else None
             self.estimates.observe(self._key(source) if source else None, predicted=step.predicted,
                                    accepted=record.accepted, positions=record.num_drafted + 1,

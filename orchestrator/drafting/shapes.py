@@ -130,14 +130,17 @@ class SequenceDrafts(ShapeBase):
     def settle(self, step: Step, draft: Draft, outcome: VerifyOutcome, record: IterationRecord) -> None:
         """Teach the pair's estimates (and an adaptive run's own chooser) what the iteration cost and
         yielded. A step forced by a lost drafter, or a target-only step the run did not choose, says
-        nothing of speculation; times after a prefill (not steady) are not a sample of W(k)."""
+        nothing of speculation; times after a prefill (not steady), and a target-only step's beside the
+        run's abandoned look-ahead (the pass at the drafter-shared width: a switch's cost, not W(0)),
+        are not a sample of W(k)."""
         if draft.fallback or (draft.target_only and not self.adaptive):
             return
         timeline = step.timeline
         observation = Observation(
             drafted=record.num_drafted, accepted=record.accepted, wall_seconds=record.end - record.start,
             verify_seconds=timeline.verify_seconds(), draft_seconds=timeline.draft_seconds(),
-            steady=step.drafter_steady, setting=self.k if self.adaptive else None,
+            steady=step.drafter_steady and not (draft.target_only and step.beside_abandoned),
+            setting=self.k if self.adaptive else None,
             switched=self._chooser is not None and self._chooser.switched,
         )
         self._estimates().observe(observation)

@@ -175,7 +175,7 @@ def _step(lag: int, catch_up_seconds: float, generated: int = 0, max_new_tokens:
     run = SimpleNamespace(state=SimpleNamespace(generated=[0] * generated))
     return SimpleNamespace(sessions=_Sessions(lag, catch_up_seconds), committed=[1] * 300, run=run,
                            settings=SimpleNamespace(max_new_tokens=max_new_tokens), turn="", predicted=0.0,
-                           steady=True)
+                           steady=True, beside_abandoned=False)
 
 
 def _step_estimates() -> SourceEstimates:
