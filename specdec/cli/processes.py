@@ -4,7 +4,8 @@ Kept apart from the CLI so that the CLI stays a parser/adapter and so that tests
 same child processes the way `up` does. Children:
 - run `python -m specdec.cli serve <role> ...` (the very command a user would run by hand);
 - get their own session (a terminal Ctrl-C reaches only the supervisor, which then stops them in
-  order) and, on Linux, a parent-death signal, so they never outlive a supervisor that was killed;
+  order) and, on Linux, a parent-death signal (armed by a launcher they exec first: die_with_parent),
+  so they never outlive a supervisor that was killed;
 - report where they listen through a small JSON "ready file", which lets them bind port 0.
 """
 
