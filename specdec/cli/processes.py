@@ -192,12 +192,13 @@ def wait_healthy(address: str, timeout: float, *, alive: Callable[[], bool] | No
 # descriptors close_fds then closes: the child aborted before exec ("epoll_wait error: Bad file
 # descriptor", grpc/grpc#43055; it killed `up`'s orchestrator once in a CI run). The launcher arms
 # PR_SET_PDEATHSIG (kept across exec), checks that the parent that started it is still its parent
-# (it may have died before the signal was armed), then execs the child's own argv in its place.
+# (it may have died before the signal was armed: then it exits as if signalled), then execs the
+# child's own argv in its place.
 _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
     f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM, 0, 0, 0)\n"
     "if os.getppid() != int(sys.argv[1]):\n"
-    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    os._exit(128 + signal.SIGTERM)\n"
     "os.execv(sys.argv[2], sys.argv[3:])\n"
 )
 

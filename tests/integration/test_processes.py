@@ -268,3 +268,16 @@ def test_a_missing_program_still_fails_in_the_parent(tmp_path) -> None:
         supervisor.start(_child(supervisor, "missing", ["no-such-program-xyz", "--help"]))
     with pytest.raises(FileNotFoundError):
         supervisor.start(_child(supervisor, "missing2", ["./no/such/path"]))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
+def test_a_child_whose_supervisor_is_gone_before_the_signal_is_armed_never_runs(tmp_path) -> None:
+    """The launcher checks that its parent is the supervisor that started it: one that died before
+    the signal was armed would leave an orphan otherwise."""
+    marker = tmp_path / "ran"
+    argv = processes.die_with_parent([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], os.environ)
+    assert subprocess.run(argv, timeout=30).returncode == 0 and marker.exists()  # its parent: runs
+    marker.unlink()
+    argv[argv.index(str(os.getpid()))] = "1"  # a launcher whose supervisor was another process
+    assert subprocess.run(argv, timeout=30).returncode == 128 + signal.SIGTERM
+    assert not marker.exists()
