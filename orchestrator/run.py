@@ -132,6 +132,9 @@ class Run:
     state: RunState
     session_id: str
     probe: RequestProbe | None = None  # the observer's probe of this run (tracing, metrics), if any
+    # Its caller reads the chunks as they come (a stream, not a unary call): the time to its first
+    # token is what that caller waits on, so the hybrid's first pass carries no draft (drafting.hybrid).
+    streamed: bool = False
 
     @property
     def request_id(self) -> str:

@@ -188,10 +188,11 @@ class Orchestrator:
     # public API --------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest, *, owner: str = ANONYMOUS,
                        caller: str | None = None) -> GenerationResult:
-        return await _last_result(self.generate_stream(request, owner=owner, caller=caller))
+        return await _last_result(self.generate_stream(request, owner=owner, caller=caller, streamed=False))
 
     async def generate_stream(
-        self, request: GenerationRequest, *, owner: str = ANONYMOUS, caller: str | None = None
+        self, request: GenerationRequest, *, owner: str = ANONYMOUS, caller: str | None = None,
+        streamed: bool = True,
     ) -> AsyncIterator[GenerationChunk]:
         """The request's chunks; it first waits for a request slot (Overloaded when none frees up in
         time), held while the run runs: a run whose reader falls behind pauses and gives its slot
@@ -200,16 +201,20 @@ class Orchestrator:
         request ids: an id that owner already used is refused (AlreadyExists) and its stored progress
         left as it was; another owner's record of the same id is neither seen nor touched. `caller`: the
         key the per-caller cap counts the call under, as the door knows the caller (its owner, or
-        "peer:<address>" for an anonymous one); None counts it under `owner`."""
-        async with contextlib.aclosing(self._paced(self._generate(request, owner), caller or owner,
+        "peer:<address>" for an anonymous one); None counts it under `owner`. `streamed`: the caller
+        reads the chunks as they come (False: it waits for the result, as `generate` does), so its
+        first token is not held back by a draft (Run.streamed)."""
+        async with contextlib.aclosing(self._paced(self._generate(request, owner, streamed), caller or owner,
                                                    request.request_id)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    async def _generate(self, request: GenerationRequest, owner: str) -> AsyncIterator[GenerationChunk]:
+    async def _generate(self, request: GenerationRequest, owner: str,
+                        streamed: bool) -> AsyncIterator[GenerationChunk]:
         if self.target_info is None:
             await self.start()
         run = await self._new_run(request, owner)
+        run.streamed = streamed
         async with contextlib.aclosing(self._run(run)) as chunks:  # closed with this stream
             async for chunk in chunks:
                 yield chunk
@@ -228,10 +233,10 @@ class Orchestrator:
     async def resume(self, request_id: str, *, owner: str = ANONYMOUS,
                      caller: str | None = None) -> GenerationResult:
         """Continue a stored request from its stored tokens (a finished one is returned as is)."""
-        return await _last_result(self.resume_stream(request_id, owner=owner, caller=caller))
+        return await _last_result(self.resume_stream(request_id, owner=owner, caller=caller, streamed=False))
 
     async def resume_stream(
-        self, request_id: str, *, owner: str = ANONYMOUS, caller: str | None = None
+        self, request_id: str, *, owner: str = ANONYMOUS, caller: str | None = None, streamed: bool = True,
     ) -> AsyncIterator[GenerationChunk]:
         """As generate_stream, from `owner`'s stored request (it takes a request slot the same way).
 
@@ -242,18 +247,19 @@ class Orchestrator:
         if not request_id:
             raise InvalidRequest("request_id: give the id of the stored request to resume")
         check_request_id(request_id, self.config.max_request_id_chars)  # before the store reads it
-        async with contextlib.aclosing(self._paced(self._resume(request_id, owner), caller or owner,
+        async with contextlib.aclosing(self._paced(self._resume(request_id, owner, streamed), caller or owner,
                                                    request_id)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    async def _resume(self, request_id: str, owner: str) -> AsyncIterator[GenerationChunk]:
+    async def _resume(self, request_id: str, owner: str, streamed: bool) -> AsyncIterator[GenerationChunk]:
         if self.target_info is None:
             await self.start()
         record = await self.store.get_request(request_id, owner)  # only owner's ids are seen
         if record is None or record.owner != owner:
             raise NotFound(f"request_id: no stored request {request_id!r}")
         run = Run.from_record(record)
+        run.streamed = streamed
         state = run.state
         if record.status == "done":
             state.finish_reason = record.finish_reason or "length"

@@ -22,6 +22,14 @@ Taking the model back costs something: after model-free turns (or at a request's
 must first take in every committed token it has not seen. A timed request lets the model draft
 again only when its expected saving over the rest of the request pays for that catch-up
 (adaptation.drafter_catch_up_pays); otherwise it takes a target-only step without the drafter.
+
+The first token. A streamed request's caller waits on the pass that makes its first token (the time to
+first token), and that pass takes in the prompt's uncached rows: a draft's rows would lengthen it by
+their share of its rows (on two CPU cores, an 8-node draft on 23 prompt rows: about a quarter more),
+while the same source offers the same draft again one pass later. So a timed streamed request's first
+pass carries no draft (HybridChooser.holds_first_token); a unary call's caller waits for the last token
+only, and there the prompt's pass is the cheapest place for a draft. Seeded requests keep their choice:
+a replay must not depend on the door the request came through.
 """
 
 from __future__ import annotations
@@ -75,6 +83,9 @@ class HybridChooser(ProposerBase):
         self._model_side_tokens = 0  # model-free draft (model_share)
 
     def plan(self, step: Step) -> Plan | None:
+        if self.holds_first_token(step):
+            step.steady = step.sessions.lag(step.committed, drafting=False) <= STEADY_CATCH_UP
+            return None
         model_may = self.model is not None and not (self.busy is not None and self.busy()) \
             and self.model_pays(step)
         best: tuple[ModelFreeProposer, Proposal] | None = None
@@ -98,6 +109,11 @@ class HybridChooser(ProposerBase):
         assert self.model is not None
         step.turn = DraftSource.MODEL
         return self.model.plan(step)
+
+    def holds_first_token(self, step: Step) -> bool:
+        """Whether this pass makes a streamed request's first token, which a draft would hold back: it
+        is then a target-only step (module docstring, "The first token")."""
+        return self.timed and step.run.streamed and not step.run.state.generated
 
     def node_cap(self, proposer: ModelFreeProposer) -> int:
         """The proposer's node budget this iteration: its configured cap, raised by the measured pass

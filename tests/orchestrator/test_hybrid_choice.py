@@ -171,8 +171,9 @@ class _NoMatch:
         return None
 
 
-def _step(lag: int, catch_up_seconds: float, generated: int = 0, max_new_tokens: int = 128):
-    run = SimpleNamespace(state=SimpleNamespace(generated=[0] * generated))
+def _step(lag: int, catch_up_seconds: float, generated: int = 0, max_new_tokens: int = 128,
+          streamed: bool = False):
+    run = SimpleNamespace(state=SimpleNamespace(generated=[0] * generated), streamed=streamed)
     return SimpleNamespace(sessions=_Sessions(lag, catch_up_seconds), committed=[1] * 300, run=run,
                            settings=SimpleNamespace(max_new_tokens=max_new_tokens), turn="", predicted=0.0,
                            steady=True, beside_abandoned=False)
@@ -298,3 +299,27 @@ def test_a_verifier_that_reports_no_pass_shape_is_read_as_alone() -> None:
         estimates.observe(None, predicted=0.0, accepted=0, positions=n, wall_seconds=0.1 * n)
     assert estimates.batch_calls() == 1.0
     assert math.isclose(estimates.iteration_seconds(2), 0.2, rel_tol=1e-9)
+
+
+# ------------------------------------------------------------------------------------------------
+# a streamed request's first token is not held back by a draft
+
+
+@pytest.mark.parametrize("source", ["free", "model"])
+def test_a_streamed_request_first_pass_carries_no_draft(source) -> None:
+    """The pass that makes a streamed request's first token is a target-only step, whichever source
+    would draft (its time is not a sample of W: it takes in the prompt); a unary call's first pass,
+    a streamed one's later passes and a seeded request's first pass draft as before."""
+    estimates = _estimates(greedy_accepts=True, sampled_accepts=True)
+    free = [_Proposes()] if source == "free" else [_NoMatch()]
+    drafted = "free plan" if source == "free" else "model plan"
+
+    def hybrid(timed: bool = True) -> HybridChooser:
+        return HybridChooser(free, _Model(), estimates, timed=timed)  # type: ignore[arg-type]
+
+    first = _step(lag=40, catch_up_seconds=0.1, streamed=True)
+    assert hybrid().plan(first) is None
+    assert first.steady is False, "a pass that takes in the prompt teaches no pass time"
+    assert hybrid().plan(_step(lag=40, catch_up_seconds=0.1)) == drafted  # unary: the prompt's pass drafts
+    assert hybrid().plan(_step(lag=1, catch_up_seconds=0.0, generated=1, streamed=True)) == drafted
+    assert hybrid(timed=False).plan(_step(lag=40, catch_up_seconds=0.1, streamed=True)) == drafted

@@ -6,6 +6,7 @@
 - ERSD's seeded identity holds for every source: the same seed gives target-only race decoding's
   tokens, whichever source drafted and however much of it was accepted.
 - The suffix cache carries one request's tokens to the next; refusals name the fields.
+- A streamed request's first token comes from a pass without a draft; a unary call drafts there.
 """
 
 from __future__ import annotations
@@ -242,3 +243,26 @@ def test_deterministic_drafts_carry_no_rows(models):
                                     tree_parents=[-1], method="rd",
                                     params=MethodParams(seed=1, a=0.5, k_max=2), sampling=SAMPLING,
                                     deterministic=True))
+
+
+async def test_a_streamed_request_first_token_comes_from_a_pass_without_a_draft(models):
+    """The hybrid's rule for streamed requests (drafting.hybrid, "The first token"), through the real
+    loop: with the suffix cache holding the whole answer, a unary call drafts in its prompt's pass, a
+    stream makes its first token alone and drafts from its second pass on; both emit the same tokens."""
+    orch, records = orchestrator(models, drafter=False)
+    # Passes of the tiny target take a millisecond or two, noisily: a fixed W(n) = 10 ms · (1 + n/20)
+    # keeps the choice off the clock (a draft then pays wherever the cache has the answer).
+    orch.source_estimates.iteration_seconds = lambda positions: 0.01 * (1 + positions / 20)  # type: ignore[method-assign]
+    request = GenerationRequest(prompt_ids=[1, 2, 4, 0, 3, 5, 2], max_new_tokens=16,
+                                sampling=SamplingParams(0.0), method="token", stop_token_ids=[])
+    first = await orch.generate(request)  # fills the suffix cache
+    before = len(records)
+    unary = await orch.generate(request)
+    unary_records = records[before:]
+    before = len(records)
+    chunks = [chunk async for chunk in orch.generate_stream(request)]
+    streamed_records = records[before:]
+    assert unary.token_ids == first.token_ids == [t for chunk in chunks for t in chunk.token_ids]
+    assert unary_records[0].num_drafted > 0, "a unary call drafts in its prompt's pass"
+    assert streamed_records[0].num_drafted == 0 and chunks[0].token_ids == first.token_ids[:1]
+    assert drafted_by(streamed_records[1:], "suffix") > 0, "the stream drafts after its first token"
