@@ -114,7 +114,7 @@ def _hybrid(run: Run, context: DraftingContext) -> HybridChooser:
     estimates = context.source_estimates if context.source_estimates is not None else SourceEstimates()
     sampled = run.settings.sampling.temperature > 0
     return HybridChooser(free, model, estimates, timed=not seeded, sampled=sampled,
-                         busy=draft_model_busy(context, seeded),
+                         busy=draft_model_busy(context, seeded), requests_running=context.active_requests,
                          max_nodes=context.config.model_free_max_nodes)
 
 

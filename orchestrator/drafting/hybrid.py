@@ -27,9 +27,12 @@ The first token. A streamed request's caller waits on the pass that makes its fi
 first token), and that pass takes in the prompt's uncached rows: a draft's rows would lengthen it by
 their share of its rows (on two CPU cores, an 8-node draft on 23 prompt rows: about a quarter more),
 while the same source offers the same draft again one pass later. So a timed streamed request's first
-pass carries no draft (HybridChooser.holds_first_token); a unary call's caller waits for the last token
-only, and there the prompt's pass is the cheapest place for a draft. Seeded requests keep their choice:
-a replay must not depend on the door the request came through.
+pass carries no draft (HybridChooser.holds_first_token) while no other request runs; a unary call's
+caller waits for the last token only, and there the prompt's pass is the cheapest place for a draft.
+Beside other requests the first token's pass is a batched one, whose time their rows and the prefill
+chunk budget set; there the rule bought nothing (8 clients: TTFT p50 11.7–11.9 s without the draft,
+9.1–9.8 s with it; bench/RESULTS.md, "A stream's first token"), so it is off. Seeded requests keep
+their choice: a replay must not depend on the door the request came through.
 """
 
 from __future__ import annotations
@@ -64,15 +67,17 @@ class HybridChooser(ProposerBase):
 
     def __init__(self, free: Sequence[ModelFreeProposer], model: Proposer | None, estimates: SourceEstimates,
                  *, timed: bool, sampled: bool = False, busy: Callable[[], bool] | None = None,
-                 max_nodes: int = 0) -> None:
+                 requests_running: Callable[[], int] = lambda: 1, max_nodes: int = 0) -> None:
         """`busy()`: whether the deployment is too loaded for the draft model now (more requests run
-        than OrchestratorConfig.draft_model_max_requests); None: never. `max_nodes`: how far a timed
+        than OrchestratorConfig.draft_model_max_requests); None: never. `requests_running()`: the
+        orchestrator's running requests, this one included (holds_first_token). `max_nodes`: how far a timed
         request's model-free drafts may grow past their sources' configured caps where the measured
         pass time allows (SourceEstimates.node_cap; 0 or below a cap: the caps stay)."""
         self.free = {proposer.source: proposer for proposer in free}
         self.max_nodes = max_nodes
         self.model = model
         self.busy = busy
+        self.requests_running = requests_running
         self.estimates = estimates
         self.timed = timed  # False: a seeded request (no timings in the choice)
         # Greedy and sampled requests accept a draft differently: their records are kept apart.
@@ -111,9 +116,11 @@ class HybridChooser(ProposerBase):
         return self.model.plan(step)
 
     def holds_first_token(self, step: Step) -> bool:
-        """Whether this pass makes a streamed request's first token, which a draft would hold back: it
-        is then a target-only step (module docstring, "The first token")."""
-        return self.timed and step.run.streamed and not step.run.state.generated
+        """Whether this pass makes a streamed request's first token, which a draft would hold back,
+        with no other request running: it is then a target-only step (module docstring, "The first
+        token")."""
+        return (self.timed and step.run.streamed and not step.run.state.generated
+                and self.requests_running() <= 1)
 
     def node_cap(self, proposer: ModelFreeProposer) -> int:
         """The proposer's node budget this iteration: its configured cap, raised by the measured pass

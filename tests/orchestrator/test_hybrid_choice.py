@@ -307,15 +307,17 @@ def test_a_verifier_that_reports_no_pass_shape_is_read_as_alone() -> None:
 
 @pytest.mark.parametrize("source", ["free", "model"])
 def test_a_streamed_request_first_pass_carries_no_draft(source) -> None:
-    """The pass that makes a streamed request's first token is a target-only step, whichever source
-    would draft (its time is not a sample of W: it takes in the prompt); a unary call's first pass,
-    a streamed one's later passes and a seeded request's first pass draft as before."""
+    """The pass that makes a streamed request's first token is a target-only step while it runs
+    alone, whichever source would draft (its time is not a sample of W: it takes in the prompt); a
+    unary call's first pass, a streamed one's later passes, a seeded request's first pass and a first
+    pass beside other requests draft as before."""
     estimates = _estimates(greedy_accepts=True, sampled_accepts=True)
     free = [_Proposes()] if source == "free" else [_NoMatch()]
     drafted = "free plan" if source == "free" else "model plan"
 
-    def hybrid(timed: bool = True) -> HybridChooser:
-        return HybridChooser(free, _Model(), estimates, timed=timed)  # type: ignore[arg-type]
+    def hybrid(timed: bool = True, running: int = 1) -> HybridChooser:
+        return HybridChooser(free, _Model(), estimates, timed=timed,  # type: ignore[arg-type]
+                             requests_running=lambda: running)
 
     first = _step(lag=40, catch_up_seconds=0.1, streamed=True)
     assert hybrid().plan(first) is None
@@ -323,3 +325,5 @@ def test_a_streamed_request_first_pass_carries_no_draft(source) -> None:
     assert hybrid().plan(_step(lag=40, catch_up_seconds=0.1)) == drafted  # unary: the prompt's pass drafts
     assert hybrid().plan(_step(lag=1, catch_up_seconds=0.0, generated=1, streamed=True)) == drafted
     assert hybrid(timed=False).plan(_step(lag=40, catch_up_seconds=0.1, streamed=True)) == drafted
+    # beside other requests the first token's pass is a batched one: the rule is off
+    assert hybrid(running=3).plan(_step(lag=40, catch_up_seconds=0.1, streamed=True)) == drafted
