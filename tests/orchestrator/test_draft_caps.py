@@ -52,9 +52,10 @@ def test_the_configured_cap_stays_until_two_pass_sizes_were_measured_or_with_no_
 
 def _step(committed: list[int]) -> SimpleNamespace:
     sessions = SimpleNamespace(lag=lambda committed, drafting: 0)
+    run = SimpleNamespace(streamed=False, state=SimpleNamespace(generated=[]))
     return SimpleNamespace(committed=committed, position=len(committed), depth_cap=lambda position: 1 << 30,
                            sessions=sessions, params=lambda: None, turn="", predicted=0.0, steady=True,
-                           proposal=None)
+                           proposal=None, run=run)
 
 
 def _planned_nodes(estimates: SourceEstimates, *, timed: bool) -> int:
