@@ -133,7 +133,8 @@ class Run:
     session_id: str
     probe: RequestProbe | None = None  # the observer's probe of this run (tracing, metrics), if any
     # Its caller reads the chunks as they come (a stream, not a unary call): the time to its first
-    # token is what that caller waits on, so the hybrid's first pass carries no draft (drafting.hybrid).
+    # token is what that caller waits on, so the hybrid's first pass carries no draft while the run is
+    # the only one (drafting.hybrid, "The first token").
     streamed: bool = False
 
     @property
