@@ -88,8 +88,8 @@ class HybridChooser(ProposerBase):
         self._model_side_tokens = 0  # model-free draft (model_share)
 
     def plan(self, step: Step) -> Plan | None:
+        step.steady = step.sessions.lag(step.committed, drafting=False) <= STEADY_CATCH_UP
         if self.holds_first_token(step):
-            step.steady = step.sessions.lag(step.committed, drafting=False) <= STEADY_CATCH_UP
             return None
         model_may = self.model is not None and not (self.busy is not None and self.busy()) \
             and self.model_pays(step)
@@ -104,7 +104,6 @@ class HybridChooser(ProposerBase):
                 self.forget(proposal.source)
             elif rate > best_rate:
                 best, best_rate = (proposer, cut), rate
-        step.steady = step.sessions.lag(step.committed, drafting=False) <= STEADY_CATCH_UP
         if best is not None:
             proposer, cut = best
             step.turn, step.predicted = proposer.source, cut.expected_accepted()
