@@ -16,9 +16,11 @@ this order, each turn n is sent as the whole conversation so far (what a chat cl
              new tokens alone, which the goal compares the cached TTFT with
 
 Every request asks for --max-tokens tokens, so each one's first iteration has the same shape (a
-request for one token would skip drafting and answer sooner). Reported per turn: prompt tokens, new
-tokens, the median TTFT of each, cached/new and cold/cached, and the usage's
-`prompt_tokens_details.cached_tokens`. The machine is recorded with the results.
+request for one token would skip drafting and answer sooner). Each waits --think-seconds first, as a
+chat's next turn comes after its user has read the answer: what the service does while idle (the
+close of a chat turn, docs/algorithms.md §16) is then done, as it would be between a person's turns.
+Reported per turn: prompt tokens, new tokens, the median TTFT of each, cached/new and cold/cached,
+and the usage's `prompt_tokens_details.cached_tokens`. The machine is recorded with the results.
 """
 
 from __future__ import annotations
@@ -119,16 +121,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         news = [ids[0]] + [ids[n][common_prefix(ids[n], render(chat[:2 * n], False)):]
                            for n in range(1, len(ids))]
         rows: list[dict[str, Any]] = []
+
+        def after_a_pause(**request: Any) -> dict[str, Any]:
+            time.sleep(args.think_seconds)
+            return streamed(client, max_tokens=args.max_tokens, model=model, **request)
+
         for rnd in range(args.rounds):
             salt = f"chat-{rnd}-{uuid.uuid4().hex}"
             for turn, conversation in enumerate(conversations):
                 new_ids = news[turn]
-                cached = streamed(client, chat=conversation, prompt_ids=None, max_tokens=args.max_tokens,
-                                  salt=salt, model=model)
-                cold = streamed(client, chat=conversation, prompt_ids=None, max_tokens=args.max_tokens,
-                                salt=f"cold-{uuid.uuid4().hex}", model=model)
-                new = streamed(client, chat=None, prompt_ids=new_ids, max_tokens=args.max_tokens,
-                               salt=f"new-{uuid.uuid4().hex}", model=model)
+                cached = after_a_pause(chat=conversation, prompt_ids=None, salt=salt)
+                cold = after_a_pause(chat=conversation, prompt_ids=None, salt=f"cold-{uuid.uuid4().hex}")
+                new = after_a_pause(chat=None, prompt_ids=new_ids, salt=f"new-{uuid.uuid4().hex}")
                 row = {"round": rnd, "turn": turn + 1, "prompt_tokens": len(ids[turn]),
                        "new_tokens": len(new_ids),
                        "ttft_cached": cached["ttft"], "ttft_cold": cold["ttft"], "ttft_new": new["ttft"],
@@ -138,7 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stop_up(process)
     return {"machine": f"{cpu_model()}, 2 threads per engine", "command": " ".join(sys.argv),
-            "up_args": up_args, "rows": rows, "summary": summarize(rows)}
+            "up_args": up_args, "think_seconds": args.think_seconds, "rows": rows, "summary": summarize(rows)}
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -176,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=len(CHAT), choices=range(1, len(CHAT) + 1))
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens of each assistant answer")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--think-seconds", type=float, default=1.0,
+                        help="pause before each measured request: a chat's user reads the answer and "
+                        "types, and the service idles meanwhile (0: back to back, as before 2026-12-02)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/prefix"))
     parser.add_argument("--trace", action="store_true",
                         help="spans of every service to OUT/trace.jsonl (what each first iteration did)")

@@ -122,6 +122,10 @@ class OrchestratorConfig(BaseSettings):
     # --speculative-disable-by-batch-size is the same knob. 0: no limit. Seeded requests (replay)
     # never look at it.
     draft_model_max_requests: int = Field(0, ge=0)
+    # A chat request that ends with no other request running passes its turn's close (the answer's
+    # last token and the chat template's end of the turn) through the target before its session is
+    # released, so the next turn's first pass computes only the new message (orchestrator.turn_close).
+    close_chat_turns: bool = True
     # At k = 0, a speculative iteration after this many target-only steps of the pair (all requests)
     # checks whether drafting pays again (each probe costs the drafter's catch-up over the context).
     adaptive_probe_every: int = Field(64, ge=1)

@@ -21,6 +21,7 @@ from orchestrator.records import RequestRecord
 from specdec.defaults import ANONYMOUS, DraftSource
 from specdec.engine.api import ModelInfo, TextCursor
 from specdec.generation import (
+    ChatMessage,
     GenerationRequest,
     GenerationResult,
     GenerationStats,
@@ -136,6 +137,9 @@ class Run:
     # token is what that caller waits on, so the hybrid's first pass carries no draft while the run is
     # the only one (drafting.hybrid, "The first token").
     streamed: bool = False
+    # A chat's turns as the caller sent them (not stored: a resumed run has none), for the close of
+    # its turn once it ends (orchestrator.turn_close).
+    messages: tuple[ChatMessage, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -222,7 +226,8 @@ def new_run(
         cache_salt=request.cache_salt or "",
     )
     start = len(prompt_ids)
-    return Run(settings, RunState(text_cursor=TextCursor(start, start, start)), new_session_id(request_id))
+    return Run(settings, RunState(text_cursor=TextCursor(start, start, start)), new_session_id(request_id),
+               messages=tuple(request.messages or ()))
 
 
 def adaptable(method: str, config: OrchestratorConfig) -> bool:

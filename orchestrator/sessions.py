@@ -45,6 +45,7 @@ from orchestrator.config import DraftRowsMode
 from orchestrator.failover import DrafterChanged, DrafterDown, DrafterIncompatible, DrafterSlow
 from orchestrator.run import Run
 from orchestrator.timeline import Timeline
+from orchestrator.turn_close import TurnClose
 from specdec.engine.api import (
     DraftRequest,
     DraftResult,
@@ -57,15 +58,13 @@ from specdec.engine.api import (
     VerifyRequest,
 )
 from specdec.errors import EngineError, InvalidRequest, Overloaded, PeerUnavailable, SessionGone
-from specdec.methods import get_method
-from specdec.trees import common_prefix, max_depth
+from specdec.methods import TARGET_ONLY_VERIFICATION, get_method
+from specdec.trees import DraftTree, common_prefix, max_depth
+from specdec.verification.base import MethodParams
 from specdec.verification.lean import token_probs
 
 if TYPE_CHECKING:
     import torch
-
-    from specdec.trees import DraftTree
-    from specdec.verification.base import MethodParams
 
 log = logging.getLogger(__name__)
 
@@ -381,6 +380,15 @@ class RunSessions:
             ))
 
         await self._verifier_call(committed, call, timeline, "score")
+
+    async def pass_turn_close(self, close: TurnClose) -> None:
+        """Pass a chat turn's close through the target (orchestrator.turn_close): the session then
+        holds the run's first `close.base` tokens and `close.append`, keys and values computed and
+        settled (a verify of no draft: its sampled token is dropped with the session)."""
+        target = [*self.run.committed[:close.base], *close.append]
+        await self.verify(target, DraftTree.empty(), method=TARGET_ONLY_VERIFICATION,
+                          params=MethodParams(seed=self.run.settings.seed, position=len(target)),
+                          draft_probs=None, timeline=Timeline())
 
     async def verify(
         self, committed: list[int], tree: DraftTree, *, method: str, params: MethodParams,

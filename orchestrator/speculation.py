@@ -39,10 +39,12 @@ from orchestrator.run import Run, RunState, cache_partition, new_run
 from orchestrator.sessions import RunSessions
 from orchestrator.store import RequestRecord, Store, StoreOutage, open_store
 from orchestrator.timeline import Timeline
+from orchestrator.turn_close import CLOSING_FINISHES, turn_close
 from specdec.defaults import ANONYMOUS
 from specdec.engine.api import ModelInfo, TextCursor
 from specdec.errors import AlreadyExists, InvalidRequest, NotFound, StillRunning, StoreUnavailable
 from specdec.generation import (
+    ChatMessage,
     GenerationChunk,
     GenerationRequest,
     GenerationResult,
@@ -61,6 +63,7 @@ WARM_UP_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    ret
                   "def mul(a, b):\n    return a * b\n\n\ndef")
 WARM_UP_OWNER = "specdec:warm-up"  # its record's owner: no caller's identity, so no caller sees it
 WARM_UP_TIMEOUT_S = 120.0
+TURN_CLOSE_TIMEOUT_S = 30.0  # a chat turn's close (render + one pass of a few rows) takes under a second
 
 
 class Orchestrator:
@@ -99,6 +102,7 @@ class Orchestrator:
                                           max_tokens=config.suffix_cache_tokens,
                                           max_depth=config.suffix_max_nodes)
         self.source_estimates = SourceEstimates()
+        self._turn_closes: set[asyncio.Task[None]] = set()  # sessions released after their turn's close
 
     # the engines, as the link sees them ----------------------------------------------------------
     @property
@@ -148,8 +152,14 @@ class Orchestrator:
         return self.link.dependency_status()
 
     async def close(self) -> None:
+        await self.settle_turn_closes()
         await self.link.close()
         await self.store.close()
+
+    async def settle_turn_closes(self) -> None:
+        """Wait for the chat turns' closes still running (orchestrator.turn_close), each bounded."""
+        while self._turn_closes:
+            await asyncio.gather(*self._turn_closes, return_exceptions=True)
 
     async def warm_up(self, max_new_tokens: int | None = None,
                       timeout_s: float = WARM_UP_TIMEOUT_S) -> GenerationResult | None:
@@ -439,11 +449,40 @@ class Orchestrator:
                 proposer.close(run.committed)
             except Exception:  # the suffix cache is an optimisation: never fail a request for it
                 log.exception("proposer failed to close for request %s", run.request_id)
-            await sessions.close()
+            if error is None and self._closes_turn(run):
+                task = asyncio.create_task(self._close_turn(run, sessions))
+                self._turn_closes.add(task)
+                task.add_done_callback(self._turn_closes.discard)
+            else:
+                await sessions.close()
             if not outage.active:  # else the counts are dropped, as in any outage, without a wait
                 await flush_calibration(_take_calibration(state), self.store, self.pair_key)
             if run.probe is not None:
                 _observe_end(run, run.probe, error)
+
+    def _closes_turn(self, run: Run) -> bool:
+        """Whether the ended run is a chat turn whose close goes through the target before its
+        sessions are released (orchestrator.turn_close): its answer is whole, and no other request holds
+        a slot (an ended run's clean-up holds none: admission.paced), so the pass takes no one's time."""
+        return (self.config.close_chat_turns and bool(run.messages) and self.admission.active == 0
+                and run.state.finish_reason in CLOSING_FINISHES)
+
+    async def _close_turn(self, run: Run, sessions: RunSessions) -> None:
+        """Render the chat with its answer as the last turn, pass what the verifier's session lacks
+        through the target unless a request came in meanwhile, then release the sessions. Never raises:
+        the close is an optimisation, and the session is released whatever happens."""
+        try:
+            async with asyncio.timeout(TURN_CLOSE_TIMEOUT_S):
+                answer = ChatMessage("assistant", run.state.text + run.state.text_tail)
+                rendered = await self.verifier.apply_chat_template([*run.messages, answer],
+                                                                   self.config.chat_template)
+                close = turn_close(run.settings.prompt_ids, run.state.generated, rendered)
+                if close is not None and self.admission.active == 0:
+                    await sessions.pass_turn_close(close)
+        except Exception as exc:  # noqa: BLE001 - the next turn then computes these rows itself
+            log.debug("the close of chat turn %s was not passed: %s", run.request_id, exc)
+        finally:
+            await sessions.close()
 
     async def _iteration(self, run: Run, sessions: RunSessions, proposer: Proposer) -> None:
         started = time.perf_counter()

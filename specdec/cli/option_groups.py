@@ -42,6 +42,7 @@ from specdec.cli.options import (
     BatchLayoutOpt,
     BatchWindowOpt,
     BatchWindowShareOpt,
+    CloseChatTurnsOpt,
     CudaGraphsOpt,
     DefaultAOpt,
     DefaultKOpt,
@@ -182,6 +183,7 @@ class OrchestratorLimits:
     draft_rows: DraftRowsOpt = None
     adaptive_k: AdaptiveKOpt = None
     draft_model_max_requests: DraftModelMaxRequestsOpt = None
+    close_chat_turns: CloseChatTurnsOpt = None
     max_active_requests: MaxActiveRequestsOpt = None
     queue_timeout: QueueTimeoutOpt = None
     request_ttl: RequestTtlOpt = None
@@ -193,10 +195,11 @@ class OrchestratorLimits:
 
     @property
     def store_bounds(self) -> dict[str, Any]:
-        """The store and stream bounds given on the command line, as OrchestratorConfig fields."""
+        """The store and stream bounds and the chat-turn close given on the command line, as
+        OrchestratorConfig fields."""
         given = {"store_timeout_s": self.store_timeout, "store_outage_grace_s": self.store_outage_grace,
                  "max_requests_per_caller": self.max_requests_per_caller,
-                 "stream_idle_timeout_s": self.stream_idle_timeout}
+                 "stream_idle_timeout_s": self.stream_idle_timeout, "close_chat_turns": self.close_chat_turns}
         return {key: value for key, value in given.items() if value is not None}
 
 

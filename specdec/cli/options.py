@@ -214,6 +214,15 @@ DraftModelMaxRequestsOpt = Annotated[int | None, typer.Option(
         "they save. 0: no limit. Seeded requests ignore it (replay). Default: "
         f"$SPECDEC_DRAFT_MODEL_MAX_REQUESTS, else 0 ({UP_CPU_DRAFT_MODEL_MAX_REQUESTS} under `up` with "
         "both models on the CPU)."), show_default=False)]
+CloseChatTurnsOpt = Annotated[bool | None, typer.Option(
+    "--close-chat-turns/--no-close-chat-turns", help=(
+        "A chat request (messages) that ends while no other request runs passes the answer's last "
+        "token and the chat template's end of its turn through the target in the background, so the "
+        "conversation's next turn finds everything before its new message in the verifier's prefix "
+        "cache and computes only that (docs/algorithms.md §16, \"The close of a chat turn\"). A request "
+        "arriving meanwhile waits for at most that one pass of a few rows. Default: "
+        "$SPECDEC_CLOSE_CHAT_TURNS, else on (`up` turns it off with --prefix-cache-mb 0)."),
+    show_default=False)]
 MaxActiveRequestsOpt = Annotated[int | None, typer.Option(
     "--max-active-requests", min=1, help=(
         "Requests the orchestrator runs at once; later ones wait in arrival order for up to "

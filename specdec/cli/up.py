@@ -87,6 +87,16 @@ def up_draft_model_max_requests(given: int | None, drafter_device: str, verifier
     return UP_CPU_DRAFT_MODEL_MAX_REQUESTS if drafter_device == verifier_device == "cpu" else None
 
 
+def up_close_chat_turns(given: bool | None, prefix_cache_mb: float) -> str | None:
+    """The orchestrator's chat-turn flag under `up`: off without a prefix cache (the close would be
+    computed for nothing), else the flag given; None leaves it to the orchestrator's default."""
+    if prefix_cache_mb <= 0:
+        return "--no-close-chat-turns"
+    if given is None:
+        return None
+    return "--close-chat-turns" if given else "--no-close-chat-turns"
+
+
 @takes_option_groups
 def up(
     *,
@@ -322,6 +332,9 @@ def up(
                     args += [flag, str(value)]
             if limits.adaptive_k is not None:
                 args.append("--adaptive-k" if limits.adaptive_k else "--fixed-k")
+            close_flag = up_close_chat_turns(limits.close_chat_turns, capacity.prefix_cache_mb)
+            if close_flag is not None:
+                args.append(close_flag)
             args += observability.child_args("orchestrator")
             orch = supervisor.start(supervisor.child("orchestrator", args))
             processes.wait_ready(orch, startup_timeout, abort=supervisor.stop_requested, security=probe)
