@@ -194,7 +194,7 @@ class OrchestratorLimits:
     max_prompt_bytes: MaxPromptBytesOpt = None
 
     @property
-    def store_bounds(self) -> dict[str, Any]:
+    def config_fields(self) -> dict[str, Any]:
         """The store and stream bounds and the chat-turn close given on the command line, as
         OrchestratorConfig fields."""
         given = {"store_timeout_s": self.store_timeout, "store_outage_grace_s": self.store_outage_grace,

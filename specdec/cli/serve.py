@@ -413,8 +413,8 @@ def serve_orchestrator(
         # Checked by the options; the command line wins over the variables.
         if defaults.draft_source is not None:
             config = config.model_copy(update={"draft_source": defaults.draft_source})
-        if limits.store_bounds:
-            config = config.model_copy(update=limits.store_bounds)
+        if limits.config_fields:
+            config = config.model_copy(update=limits.config_fields)
     except CliError as exc:
         raise fail(str(exc)) from None
     if http_port is not None:  # optional packages: one line and exit 2 when absent (specdec.cli.extras)

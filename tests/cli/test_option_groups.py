@@ -77,8 +77,8 @@ def test_serve_and_up_take_each_group_with_the_same_options() -> None:
 def test_the_chat_turn_close_reaches_the_orchestrator_config_and_up_drops_it_without_a_cache() -> None:
     from specdec.cli.up import up_close_chat_turns
 
-    assert OrchestratorLimits(close_chat_turns=False).store_bounds == {"close_chat_turns": False}
-    assert OrchestratorLimits().store_bounds == {}
+    assert OrchestratorLimits(close_chat_turns=False).config_fields == {"close_chat_turns": False}
+    assert OrchestratorLimits().config_fields == {}
     flag = _params("serve", "orchestrator")["close_chat_turns"]
     assert (flag.opts, flag.secondary_opts) == (["--close-chat-turns"], ["--no-close-chat-turns"])
     assert up_close_chat_turns(None, 512.0) is None  # the orchestrator's default (on)

@@ -19,6 +19,7 @@ from specdec.errors import PeerUnavailable
 from specdec.generation import GenerationRequest
 from specdec.races import race, race_winner
 from specdec.runtime.loading import LoadedModel, load_model
+from specdec.runtime.tiny import save_tiny_model
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.verification import fidelity
 
@@ -226,3 +227,10 @@ def chi_square_p(samples: list[tuple], exact: dict[tuple, float]) -> float:
     """fidelity.chi_square_p (specdec.verification), after checking every sample is in the support."""
     assert set(samples) <= set(exact), "a sample outside the support"
     return fidelity.chi_square_p(samples, exact)
+
+
+def load_int8_pair(root: Path, vocab_size: int, seeds: tuple[int, int]) -> list[LoadedModel]:
+    """A tiny (draft, target) pair at int8 (64 wide, 2 layers, unscaled logits) under `root`, 2 threads."""
+    return [load_model(save_tiny_model(root / name, vocab_size=vocab_size, seed=seed, hidden_size=64,
+                                       num_layers=2, logit_scale=1.0), dtype="int8", threads=2)
+            for name, seed in zip(("draft", "target"), seeds, strict=True)]

@@ -14,10 +14,9 @@ from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
 from specdec.errors import InvalidRequest
 from specdec.generation import GenerationRequest
-from specdec.runtime.loading import load_model
 from specdec.runtime.prefix_cache import PrefixStore
-from specdec.runtime.tiny import save_tiny_model
 from specdec.sampling import SamplingParams
+from tests.orchestrator.helpers import load_int8_pair
 
 VOCAB = 32
 BLOCK = 4
@@ -26,10 +25,7 @@ KEEPS_DRAFT_SOURCE_DEFAULT = True  # the default hybrid: model drafts and model-
 
 @pytest.fixture(scope="module")
 def int8_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("int8-pair")
-    return [load_model(save_tiny_model(root / name, vocab_size=VOCAB, seed=seed, hidden_size=64, num_layers=2,
-                                       logit_scale=1.0), dtype="int8", threads=2)
-            for name, seed in (("draft", 17), ("target", 18))]
+    return load_int8_pair(tmp_path_factory.mktemp("int8-pair"), VOCAB, (17, 18))
 
 
 def orchestrator(pair, cached: bool) -> tuple[Orchestrator, VerifierEngine]:

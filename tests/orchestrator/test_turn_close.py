@@ -14,11 +14,10 @@ from orchestrator.turn_close import MAX_TURN_CLOSE_TOKENS, TurnClose, turn_close
 from specdec.engine.drafter import DrafterEngine
 from specdec.engine.verifier import VerifierEngine
 from specdec.generation import ChatMessage, GenerationRequest
-from specdec.runtime.loading import load_model
 from specdec.runtime.prefix_cache import PrefixStore
-from specdec.runtime.tiny import save_tiny_model
 from specdec.sampling import SamplingParams
 from specdec.trees import common_prefix
+from tests.orchestrator.helpers import load_int8_pair
 
 VOCAB = 32
 # Each turn: its role's word, its content, t4; the open assistant turn: the assistant's word, as in
@@ -46,10 +45,7 @@ def test_no_close_when_the_rendering_parts_from_the_prompt_adds_nothing_or_too_m
 
 @pytest.fixture(scope="module")
 def int8_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("int8-pair")
-    return [load_model(save_tiny_model(root / name, vocab_size=VOCAB, seed=seed, hidden_size=64, num_layers=2,
-                                       logit_scale=1.0), dtype="int8", threads=2)
-            for name, seed in (("draft", 27), ("target", 28))]
+    return load_int8_pair(tmp_path_factory.mktemp("int8-pair"), VOCAB, (27, 28))
 
 
 def build(pair, *, cached: bool = True, close: bool = True) -> tuple[Orchestrator, VerifierEngine]:
