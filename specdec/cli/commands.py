@@ -34,7 +34,8 @@ HELP_PANELS: dict[str, tuple[str, ...]] = {
         "--adaptive-k", "--draft-source", "--draft-model-max-requests", "--cache-salt"),
     "Network": ("--address", "--host", "--port", "--drafter-port", "--verifier-port", "--drafter",
                 "--verifier", "--max-message-mb", "--timeout", "--peer-timeout"),
-    "HTTP API (OpenAI-compatible)": ("--http-port", "--no-http", "--served-model-name", "--chat-template"),
+    "HTTP API (OpenAI-compatible)": ("--http-port", "--no-http", "--served-model-name", "--chat-template",
+                                     "--close-chat-turns"),
     "Capacity, batching and store": (
         "--max-sessions", "--session-ttl", "--kv-cache-mb", "--prefix-cache-mb", "--admission-timeout",
         "--batching", "--max-batch-tokens", "--batch-window-ms", "--batch-window-share", "--batch-layout",
