@@ -7,11 +7,13 @@ int8 × int8 products are summed in int32 (exact, so in any order), and the floa
 product per element: a row's output is bitwise the same whatever else is in the pass
 (docs/algorithms.md §14).
 
-Two kernels compute the same numbers bitwise (a test checks it): fbgemm's int8 GEMM, fastest for a
-few rows on every CPU measured, reached through one operator of the deprecated quantised tensor
-API; and `torch._int_mm` (oneDNN), which AMX and VNNI make faster for wide passes (prefill, wide
-trees) and which stays when that operator is gone. A product may run either per call, by its rows
-(specdec.runtime.int8_kernels measures where one overtakes the other on this CPU).
+Three kernels compute the same numbers bitwise (a test checks it): fbgemm's int8 GEMM, fastest for
+a few rows on every CPU measured, reached through one operator of the deprecated quantised tensor
+API; `torch._int_mm` (oneDNN's s8 × s8 GEMM), which stays when that operator is gone; and oneDNN's
+quantised linear (`torch.ops.onednn.qlinear_pointwise`, the operator torch's x86 int8 compiler
+path uses), which runs on AMX tiles where the CPU has them: 4× fbgemm's speed for a 128-row pass on
+an AMX Xeon. A product may run fbgemm below a row count and a wide kernel from it, per call
+(specdec.runtime.int8_kernels measures which and where on this CPU).
 """
 
 from __future__ import annotations
@@ -35,12 +37,18 @@ log = logging.getLogger(__name__)
 ACTIVATION_LEVELS = 63  # codes in [-63, 63]: AVX2's u8×s8 pair sums (vpmaddubsw) stay within int16
 WEIGHT_LEVELS = 127
 _ACTIVATION_ZERO_POINT = 64  # the fbgemm operator takes unsigned codes: code + 64 in [1, 127]
-FBGEMM, INT_MM = "fbgemm", "int_mm"
+FBGEMM, INT_MM, ONEDNN = "fbgemm", "int_mm", "onednn"
+WIDE_KERNELS = (INT_MM, ONEDNN)  # what a product may switch to from some row count on
 
 
 def fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
         torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
+
+
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's quantised linear (x86 builds with mkldnn)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,9 +81,11 @@ class Int8Product:
         self.kernel = kernel
         codes, self.weight_scale = quantize_weight(weight.detach().float())
         self.shape = (int(codes.shape[1]), int(codes.shape[0]))  # (K, N): input and output features
-        self._packed = self._codes_t = None
-        # From this many rows on a call runs torch._int_mm, below it fbgemm (None: one kernel only)
-        self.int_mm_from_rows: int | None = None
+        self._packed = self._codes_t = self._onednn = None
+        # From this many rows on a call runs `wide_kernel`, below it fbgemm (None: one kernel only)
+        self.wide_from_rows: int | None = None
+        self.wide_kernel: str | None = None
+        self._no_zero_points = torch.zeros(self.shape[1], dtype=torch.long)  # oneDNN's weight zero points
         if kernel == FBGEMM:
             with warnings.catch_warnings():  # quantised tensors are deprecated; only this packs for fbgemm
                 warnings.simplefilter("ignore")
@@ -97,19 +107,30 @@ class Int8Product:
             qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
         return qweight.int_repr()
 
-    def run_int_mm_from(self, rows: int | None) -> None:
-        """Calls of at least `rows` rows run torch._int_mm, smaller ones fbgemm (None: fbgemm only).
+    def run_wide_from(self, rows: int | None, kernel: str = INT_MM) -> None:
+        """Calls of at least `rows` rows run `kernel` (_int_mm or oneDNN's), smaller ones fbgemm
+        (None: fbgemm only).
 
-        Both give every row bitwise the same (exact int32 sums), so the switch is invisible in
-        the output; it costs a second copy of the int8 weight, kept only where it is used.
+        Every kernel gives every row bitwise the same (exact int32 sums, one float product), so
+        the switch is invisible in the output; it costs a second copy of the int8 weight, in the
+        wide kernel's layout, kept only where it is used.
         """
         if self._packed is None:
             raise ValueError("this product has no fbgemm weight to switch from")
+        if rows is not None and kernel not in WIDE_KERNELS:
+            raise ValueError(f"a wide kernel is one of {', '.join(WIDE_KERNELS)}, got {kernel!r}")
         if rows is None:
+            self._codes_t = self._onednn = None
+        elif kernel == INT_MM:
+            self._onednn = None
+            if self._codes_t is None:
+                self._codes_t = self.weight_codes().t().contiguous()
+        else:
             self._codes_t = None
-        elif self._codes_t is None:
-            self._codes_t = self.weight_codes().t().contiguous()
-        self.int_mm_from_rows = rows
+            if self._onednn is None:
+                self._onednn = torch.ops.onednn.qlinear_prepack(self.weight_codes().contiguous(),
+                                                                [1, self.shape[0]])
+        self.wide_from_rows, self.wide_kernel = rows, (None if rows is None else kernel)
 
     def gemm(self, codes: torch.Tensor, kernel: str) -> torch.Tensor:
         """Σ_k codes_mk · W_nk · s_n [rows, N] float32 by `kernel` (its weight must be held)."""
@@ -118,14 +139,20 @@ class Int8Product:
             # float(int32 sum) · weight_scale, as the int_mm branch computes it
             return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
                 codes, 1.0, _ACTIVATION_ZERO_POINT, self._packed)
+        if kernel == ONEDNN:
+            # signed codes, zero point 0, input scale 1.0: float(int32 sum) · weight_scale per
+            # output channel, the same one product as the other kernels
+            return torch.ops.onednn.qlinear_pointwise(
+                codes.to(torch.int8), 1.0, 0, self._onednn, self.weight_scale,
+                self._no_zero_points, None, 1.0, 0, torch.float32, "none", [], "")
         # int32 × float32 promotes per element: float(sum) · scale, one pass and one rounding
         return torch._int_mm(codes.to(torch.int8), self._codes_t) * self.weight_scale
 
     def kernel_for(self, rows: int) -> str:
         if self._packed is None:
             return INT_MM
-        threshold = self.int_mm_from_rows
-        return INT_MM if threshold is not None and rows >= threshold else FBGEMM
+        threshold = self.wide_from_rows
+        return self.wide_kernel if threshold is not None and rows >= threshold else FBGEMM
 
     def __call__(self, x: torch.Tensor, member: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(product [rows, N] float32, row scales [rows, 1]) for input `x` (any leading shape).

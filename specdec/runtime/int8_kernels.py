@@ -1,20 +1,22 @@
 """Which int8 GEMM runs a call, by its rows, its weight's shape and this CPU: measured, then kept.
 
-fbgemm's kernel is the fastest for a few rows on every CPU we measured (0.57 ms for one row of a
-1536 × 8960 layer on an AVX2 EPYC, 0.68 ms on an AMX Xeon), but on the AMX Xeon it falls far
-behind oneDNN's `torch._int_mm` for a wide pass (18.3 against 6.7 ms at 256 rows), while on the
-EPYC the two are level there. So the choice is measured on the machine: per distinct weight shape,
-both kernels at a few row counts, and calls from the smallest count on which `_int_mm` wins (by a
-margin, at that count and every larger one measured) run `_int_mm`, and a prompt's prefill runs
-in chunks at least that wide (specdec.runtime.kv.prefill_chunk). The answer is saved under the
-specdec home, keyed by CPU model, capability, torch version and threads, so a later start reads it.
+fbgemm's kernel is the fastest for one row of most shapes on every CPU we measured (0.58 ms for
+one row of the default target's 1536 × 17920 gate-and-up product on an AMX Xeon, 2 threads), but
+it falls far behind oneDNN for a wide pass there: 8.2 ms at 128 rows against 2.1 ms for oneDNN's
+quantised linear (AMX tiles) and 8.8 ms for `torch._int_mm` (oneDNN's s8 GEMM, no AMX). So the
+choice is measured on the machine: per distinct weight shape, fbgemm and each wide kernel at a
+few row counts; the wide kernel that is fastest at the widest count measured runs every call from
+the smallest count on which it wins (by a margin, at that count and every larger one measured),
+and a prompt's prefill runs in chunks at least that wide (specdec.runtime.kv.prefill_chunk). The
+answer is saved under the specdec home, keyed by CPU model, capability, torch version and threads,
+so a later start reads it.
 
-Every kernel sums int8 products in int32, exactly, so rows are bitwise the same whichever kernel
-ran (docs/algorithms.md §14); only time and memory change. A shape that switches holds a second
-copy of its int8 weight.
+Every kernel sums int8 products in int32, exactly, and scales the float sum once, so rows are
+bitwise the same whichever kernel ran (docs/algorithms.md §14); only time and memory change. A
+shape that switches holds a second copy of its int8 weight, in the wide kernel's layout.
 
-`SPECDEC_INT8_KERNELS`: `auto` (the default: measured), `fbgemm` (never switch) or `int_mm` (every
-call from one row on, e.g. to check the non-deprecated path alone).
+`SPECDEC_INT8_KERNELS`: `auto` (the default: measured), `fbgemm` (never switch), `int_mm` or
+`onednn` (that kernel for every call from one row on, e.g. to check a non-deprecated path alone).
 """
 
 from __future__ import annotations
@@ -31,19 +33,23 @@ from pathlib import Path
 import torch
 
 from specdec.runtime.cpuinfo import cpuinfo_field
-from specdec.runtime.int8 import FBGEMM, INT_MM, Int8Product
+from specdec.runtime.int8 import FBGEMM, INT_MM, ONEDNN, WIDE_KERNELS, Int8Product, onednn_available
 
 log = logging.getLogger(__name__)
 
 KERNELS_ENV = "SPECDEC_INT8_KERNELS"
-KERNEL_MODES = ("auto", FBGEMM, INT_MM)
-CACHE_FILE = "int8-kernels.json"
-ROW_GRID = (16, 64, 128, 256)  # row counts measured: a wide tree, prefill chunks, a long prefill
+KERNEL_MODES = ("auto", FBGEMM, *WIDE_KERNELS)
+CACHE_FILE = "int8-kernels-2.json"  # {cpu key: {"KxN": [wide kernel, rows] or null}}
+# row counts measured: a decode step, chains and trees, prefill chunks, a long prefill
+ROW_GRID = (1, 4, 9, 16, 64, 128, 256)
 WIDE_ROWS_ATTRIBUTE = "specdec_int8_wide_rows"  # set on the model: the smallest switch-over row count
-MARGIN = 0.9  # _int_mm must take under 90 % of fbgemm's time to be chosen (measurement noise)
+WIDE_KERNEL_ATTRIBUTE = "specdec_int8_wide_kernel"  # and the layers' wide kernel, where they agree
+MARGIN = 0.9  # a wide kernel must take under 90 % of fbgemm's time to be chosen (measurement noise)
 MAX_CALL_SECONDS = 0.05  # a shape's grid stops where one fbgemm call takes longer (the lm_head)
+NEVER = 1 << 62  # a switch-over no call reaches: holds a wide kernel's weight for measuring it
 
-Timings = dict[int, tuple[float, float]]  # rows → (fbgemm seconds, _int_mm seconds)
+Timings = dict[int, dict[str, float]]  # rows → {kernel: median seconds}
+Choice = tuple[str, int] | None  # (wide kernel, from how many rows) or fbgemm only
 
 
 def cpu_key(threads: int | None = None) -> str:
@@ -54,16 +60,37 @@ def cpu_key(threads: int | None = None) -> str:
     return f"{model} | {capability} | torch {torch.__version__} | {threads} threads"
 
 
-def crossover(timings: Timings) -> int | None:
-    """The smallest measured row count from which `_int_mm` wins at every larger count, else None."""
+def wide_kernels() -> tuple[str, ...]:
+    """The wide kernels this torch has: `_int_mm` always, oneDNN's quantised linear on x86 builds."""
+    return (INT_MM, ONEDNN) if onednn_available() else (INT_MM,)
+
+
+def crossover(timings: Timings, kernel: str = INT_MM) -> int | None:
+    """The smallest measured row count from which `kernel` beats fbgemm at every larger count, else None."""
     threshold = None
     for rows in sorted(timings, reverse=True):
-        fbgemm, int_mm = timings[rows]
-        if int_mm < MARGIN * fbgemm:
+        if kernel in timings[rows] and timings[rows][kernel] < MARGIN * timings[rows][FBGEMM]:
             threshold = rows
         else:
             break
     return threshold
+
+
+def best_wide(timings: Timings) -> Choice:
+    """The wide kernel and crossover that make the measured calls cheapest, each row count's time
+    taken relative to fbgemm's (so a wide pass does not outweigh a narrow one); None where no wide
+    kernel beats fbgemm."""
+    kernels = sorted({kernel for by_kernel in timings.values() for kernel in by_kernel} - {FBGEMM})
+    best: tuple[float, str, int] | None = None
+    for kernel in kernels:
+        rows = crossover(timings, kernel)
+        if rows is None:
+            continue
+        cost = sum((by_kernel[kernel] if count >= rows else by_kernel[FBGEMM]) / by_kernel[FBGEMM]
+                   for count, by_kernel in timings.items())
+        if best is None or cost < best[0]:
+            best = (cost, kernel, rows)
+    return None if best is None else (best[1], best[2])
 
 
 def _median_seconds(product: Int8Product, codes: torch.Tensor, kernel: str, repeats: int) -> float:
@@ -76,27 +103,38 @@ def _median_seconds(product: Int8Product, codes: torch.Tensor, kernel: str, repe
     return statistics.median(times)
 
 
-def measure(product: Int8Product, rows_grid: Iterable[int] = ROW_GRID, repeats: int = 3) -> Timings:
-    """Both kernels' median seconds for the GEMM of `product` on random rows of its input width."""
+def _switch(product: Int8Product, choice: Choice) -> None:
+    if choice is None:
+        product.run_wide_from(None)
+    else:
+        product.run_wide_from(choice[1], choice[0])
+
+
+def measure(product: Int8Product, rows_grid: Iterable[int] = ROW_GRID, repeats: int = 3,
+            kernels: Iterable[str] | None = None) -> Timings:
+    """fbgemm's and each wide kernel's median seconds for the GEMM of `product` on random rows of
+    its input width; the product keeps the kernels it had."""
     from specdec.runtime.int8 import quantize_rows
 
     inputs, _ = product.shape
-    had_int_mm = product.int_mm_from_rows is not None
-    if not had_int_mm:
-        product.run_int_mm_from(1 << 62)  # holds the _int_mm weight for the measurement only
+    had = None if product.wide_kernel is None else (product.wide_kernel, product.wide_from_rows)
     timings: Timings = {}
     generator = torch.Generator().manual_seed(0)
     try:
         with torch.inference_mode():
+            inputs_by_rows = {}
             for rows in sorted(rows_grid):
                 codes, _ = quantize_rows(torch.randn(rows, inputs, generator=generator))
-                fast = _median_seconds(product, codes, FBGEMM, repeats)
-                timings[rows] = (fast, _median_seconds(product, codes, INT_MM, repeats))
-                if fast > MAX_CALL_SECONDS:
+                inputs_by_rows[rows] = codes
+                timings[rows] = {FBGEMM: _median_seconds(product, codes, FBGEMM, repeats)}
+                if timings[rows][FBGEMM] > MAX_CALL_SECONDS:
                     break
+            for kernel in wide_kernels() if kernels is None else kernels:
+                product.run_wide_from(NEVER, kernel)  # its weight, for the measurement only
+                for rows in timings:
+                    timings[rows][kernel] = _median_seconds(product, inputs_by_rows[rows], kernel, repeats)
     finally:
-        if not had_int_mm:
-            product.run_int_mm_from(None)
+        _switch(product, had)
     return timings
 
 
@@ -129,46 +167,66 @@ def _write_cache(path: Path, data: dict) -> None:
         log.warning("could not save the int8 kernel choice to %s: %s", path, exc)
 
 
+def _saved(value: object) -> tuple[bool, Choice]:
+    """(whether `value` is a saved choice, the choice) for one shape's entry of the cache."""
+    if value is None:
+        return True, None
+    if (isinstance(value, list) and len(value) == 2 and value[0] in WIDE_KERNELS
+            and isinstance(value[1], int) and value[1] > 0):
+        return (value[0] in wide_kernels()), (value[0], value[1])
+    return False, None
+
+
 def choose_kernels(model: torch.nn.Module, cache: Path | None, mode: str | None = None,
-                   measure_fn: Callable[[Int8Product], Timings] = measure) -> dict[str, int | None]:
-    """Set every product's switch-over row count for this CPU; returns {"KxN": rows or None}.
+                   measure_fn: Callable[[Int8Product], Timings] = measure) -> dict[str, Choice]:
+    """Set every product's wide kernel and switch-over for this CPU; returns {"KxN": (kernel, rows)
+    or None}.
 
     `cache` (a JSON file, None: none) keeps the measured choice per CPU key and shape.
     """
     mode = (mode or os.environ.get(KERNELS_ENV) or "auto").strip().lower()
     if mode not in KERNEL_MODES:
         raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
-    # The vocabulary projection sees only the rows a pass keeps (one at prefill, a tree's at
-    # verify), never a wide pass, and is the costliest shape to measure: it stays on fbgemm.
+    if mode == ONEDNN and not onednn_available():
+        raise ValueError(f"{KERNELS_ENV}=onednn: this torch build has no oneDNN quantised linear")
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = getattr(output, "product", None)
-    switchable = [p for p in products(model) if p.kernel == FBGEMM and p is not head]
+    switchable = [p for p in products(model) if p.kernel == FBGEMM]
     by_shape: dict[str, list[Int8Product]] = {}
     for product in switchable:
         by_shape.setdefault(f"{product.shape[0]}x{product.shape[1]}", []).append(product)
-    if mode != "auto":
-        choice = {shape: (1 if mode == INT_MM else None) for shape in by_shape}
+    choice: dict[str, Choice]
+    if mode == FBGEMM:
+        choice = {shape: None for shape in by_shape}
+    elif mode != "auto":
+        choice = {shape: (mode, 1) for shape in by_shape}
     else:
         key = cpu_key()
         saved = _read_cache(cache) if cache is not None else {}
         known = saved.get(key, {}) if isinstance(saved.get(key), dict) else {}
         choice = {}
         for shape, group in by_shape.items():
-            if shape in known and (known[shape] is None or isinstance(known[shape], int)):
-                choice[shape] = known[shape]
+            valid, kept = _saved(known.get(shape, False))
+            if valid:
+                choice[shape] = kept
                 continue
             timings = measure_fn(group[0])
-            choice[shape] = crossover(timings)
-            log.info("int8 kernels for %s: %s → _int_mm from %s rows", shape,
-                     {rows: (round(a * 1e3, 3), round(b * 1e3, 3)) for rows, (a, b) in timings.items()},
-                     choice[shape])
-        if cache is not None and choice != known:
-            saved[key] = {**known, **choice}
+            choice[shape] = best_wide(timings)
+            log.info("int8 kernels for %s (ms by rows): %s → %s", shape,
+                     {rows: {k: round(v * 1e3, 3) for k, v in by_kernel.items()}
+                      for rows, by_kernel in timings.items()}, choice[shape] or "fbgemm only")
+        stored = {shape: (None if c is None else list(c)) for shape, c in choice.items()}
+        if cache is not None and stored != known:
+            saved[key] = {**known, **stored}
             _write_cache(cache, saved)
     for shape, group in by_shape.items():
         for product in group:
-            product.run_int_mm_from(choice[shape])
-    # A prefill can then run in passes wide enough for the faster kernel (specdec.runtime.kv)
-    thresholds = [rows for rows in choice.values() if rows is not None]
+            _switch(product, choice[shape])
+    # A prefill can then run in passes wide enough for the layers' faster kernel (specdec.runtime.kv);
+    # the vocabulary projection sees one row a prefill, so it does not count
+    layers = [c for shape, c in choice.items() if not (head is not None and head in by_shape[shape])]
+    thresholds = [c[1] for c in layers if c is not None]
     setattr(model, WIDE_ROWS_ATTRIBUTE, min(thresholds) if thresholds else None)
+    kernels = {None if c is None else c[0] for c in layers}
+    setattr(model, WIDE_KERNEL_ATTRIBUTE, kernels.pop() if len(kernels) == 1 else None)
     return choice

@@ -1,5 +1,6 @@
-"""The int8 GEMM chosen per call by rows, shape and CPU: rows stay bitwise the same across the switch,
-the choice follows the measurement, and it is kept per CPU key in the specdec home."""
+"""The int8 GEMM chosen per call by rows, shape and CPU: rows stay bitwise the same across the switch
+to either wide kernel, the choice follows the measurement, and it is kept per CPU key in the specdec
+home."""
 
 from __future__ import annotations
 
@@ -13,33 +14,74 @@ from specdec.runtime.int8 import (
     ACTIVATION_LEVELS,
     FBGEMM,
     INT_MM,
+    ONEDNN,
     Int8Product,
     RowwiseInt8Linear,
     fbgemm_available,
+    onednn_available,
     quantize_linears,
     use_invariant_attention,
 )
-from specdec.runtime.int8_kernels import KERNELS_ENV, choose_kernels, cpu_key, crossover, measure, products
+from specdec.runtime.int8_kernels import (
+    KERNELS_ENV,
+    best_wide,
+    choose_kernels,
+    cpu_key,
+    crossover,
+    measure,
+    products,
+    wide_kernels,
+)
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no fbgemm")
+WIDE = [INT_MM, pytest.param(ONEDNN, marks=pytest.mark.skipif(
+    not onednn_available(), reason="this torch build has no oneDNN quantised linear"))]
 
 
-def test_rows_are_bitwise_the_same_on_either_side_of_the_switch():
+@pytest.mark.parametrize("kernel", WIDE)
+def test_rows_are_bitwise_the_same_on_either_side_of_the_switch(kernel):
     torch.manual_seed(2)
     linear = torch.nn.Linear(160, 72)
     layer = RowwiseInt8Linear.from_linear(linear)
-    layer.product.run_int_mm_from(4)  # 1–3 rows: fbgemm; 4 and more: _int_mm
+    layer.product.run_wide_from(4, kernel)  # 1–3 rows: fbgemm; 4 and more: the wide kernel
     x = torch.randn(11, 160) * torch.rand(11, 1) * 4
     wide = layer(x)
-    assert layer.product.kernel_for(11) == INT_MM and layer.product.kernel_for(3) == FBGEMM
+    assert layer.product.kernel_for(11) == kernel and layer.product.kernel_for(3) == FBGEMM
     for i in range(11):
         assert torch.equal(layer(x[i:i + 1]), wide[i:i + 1])  # one row: the other kernel
     assert torch.equal(layer(x[2:5]), wide[2:5])
-    layer.product.run_int_mm_from(None)
-    assert layer.product._codes_t is None  # the second weight copy goes with the switch
+    layer.product.run_wide_from(None)
+    assert layer.product._codes_t is None and layer.product._onednn is None  # the copy goes too
     assert torch.equal(layer(x), wide)
+
+
+@pytest.mark.parametrize("kernel", WIDE)
+def test_every_kernel_rounds_sums_beyond_float32s_integers_alike(kernel):
+    """Sums past 2^24 (a float32 holds them only to a few units) come out of each kernel as the
+    same float: every code at its extreme, one sign, over the default target's widest input."""
+    torch.manual_seed(0)
+    inputs = 8960
+    weight = torch.randn(6, inputs).sign()  # every weight code ±127
+    product = Int8Product(weight, FBGEMM)
+    rows = torch.stack([weight[0] * ACTIVATION_LEVELS, -weight[1] * ACTIVATION_LEVELS,
+                        torch.randint(-ACTIVATION_LEVELS, ACTIVATION_LEVELS + 1, (inputs,)).float()])
+    exact = rows.double() @ product.weight_codes().double().t()
+    assert exact.abs().max() > 2 ** 24  # the case this test is for
+    product.run_wide_from(1, kernel)
+    assert torch.equal(product.gemm(rows, kernel), product.gemm(rows, FBGEMM))
+
+
+def test_switching_between_wide_kernels_keeps_one_copy():
+    product = Int8Product(torch.randn(40, 24))
+    product.run_wide_from(8, INT_MM)
+    assert product._codes_t is not None and product.wide_kernel == INT_MM
+    if onednn_available():
+        product.run_wide_from(8, ONEDNN)
+        assert product._codes_t is None and product._onednn is not None
+    with pytest.raises(ValueError, match="wide kernel"):
+        product.run_wide_from(8, FBGEMM)
 
 
 def test_weight_codes_round_trip_through_fbgemm_packing():
@@ -49,22 +91,43 @@ def test_weight_codes_round_trip_through_fbgemm_packing():
     assert fbgemm.shape == (24, 40)
 
 
+def _timings(*rows_fbgemm_int_mm):
+    return {rows: {FBGEMM: a, INT_MM: b} for rows, a, b in rows_fbgemm_int_mm}
+
+
 @pytest.mark.parametrize(("timings", "expected"), [
-    ({16: (1.0, 2.0), 64: (4.0, 5.0), 256: (16.0, 6.0)}, 256),   # the AMX Xeon's shape
-    ({16: (1.0, 0.5), 64: (4.0, 2.0), 256: (16.0, 6.0)}, 16),
-    ({16: (1.0, 2.0), 64: (4.0, 3.0), 256: (16.0, 17.0)}, None),  # wins in the middle only
-    ({16: (1.0, 0.95), 64: (4.0, 3.9), 256: (16.0, 15.0)}, None),  # within the noise margin
+    (_timings((16, 1.0, 2.0), (64, 4.0, 5.0), (256, 16.0, 6.0)), 256),   # the AMX Xeon's shape
+    (_timings((16, 1.0, 0.5), (64, 4.0, 2.0), (256, 16.0, 6.0)), 16),
+    (_timings((16, 1.0, 2.0), (64, 4.0, 3.0), (256, 16.0, 17.0)), None),  # wins in the middle only
+    (_timings((16, 1.0, 0.95), (64, 4.0, 3.9), (256, 16.0, 15.0)), None),  # within the noise margin
     ({}, None),
 ])
-def test_crossover_is_where_int_mm_wins_from_there_on(timings, expected):
-    assert crossover(timings) == expected
+def test_crossover_is_where_the_wide_kernel_wins_from_there_on(timings, expected):
+    assert crossover(timings, INT_MM) == expected
 
 
-def test_measure_times_both_kernels_and_leaves_the_product_as_it_was():
+def test_the_wide_kernel_is_the_one_that_makes_the_measured_calls_cheapest():
+    # the AMX Xeon's gate-and-up product at 2 threads (ms): oneDNN's qlinear from 9 rows on
+    xeon = {1: {FBGEMM: 0.58, INT_MM: 2.6, ONEDNN: 0.65}, 9: {FBGEMM: 0.84, INT_MM: 2.7, ONEDNN: 0.65},
+            128: {FBGEMM: 8.2, INT_MM: 8.8, ONEDNN: 2.1}, 256: {FBGEMM: 15.6, INT_MM: 13.3, ONEDNN: 4.6}}
+    assert best_wide(xeon) == (ONEDNN, 9)
+    # the fastest at the widest count loses to fbgemm below it, the other wins from 16 rows on
+    later = {16: {FBGEMM: 1.0, INT_MM: 0.5, ONEDNN: 0.3}, 64: {FBGEMM: 4.0, INT_MM: 2.0, ONEDNN: 5.0},
+             256: {FBGEMM: 16.0, INT_MM: 6.0, ONEDNN: 5.0}}
+    assert best_wide(later) == (INT_MM, 16)
+    assert best_wide({16: {FBGEMM: 1.0, INT_MM: 2.0}}) is None and best_wide({}) is None
+
+
+def test_measure_times_every_kernel_and_leaves_the_product_as_it_was():
     product = Int8Product(torch.randn(48, 32))
     timings = measure(product, rows_grid=(1, 4), repeats=1)
-    assert sorted(timings) == [1, 4] and all(a > 0 and b > 0 for a, b in timings.values())
-    assert product.int_mm_from_rows is None and product._codes_t is None
+    assert sorted(timings) == [1, 4]
+    assert all(set(by_kernel) == {FBGEMM, *wide_kernels()} and min(by_kernel.values()) > 0
+               for by_kernel in timings.values())
+    assert product.wide_from_rows is None and product._codes_t is None and product._onednn is None
+    product.run_wide_from(2, INT_MM)
+    measure(product, rows_grid=(1,), repeats=1)
+    assert (product.wide_kernel, product.wide_from_rows) == (INT_MM, 2) and product._codes_t is not None
 
 
 def _model():
@@ -80,21 +143,24 @@ def test_choice_is_measured_once_per_cpu_and_shape_and_kept(tmp_path, monkeypatc
     cache = tmp_path / "int8-kernels.json"
     calls = []
 
-    def fake_measure(product):  # _int_mm wins from 64 rows for the widest shape only
+    def fake_measure(product):  # _int_mm wins from 64 rows for the widest layer only; the head from 1
         calls.append(product.shape)
-        wide = product.shape[1] == max(p.shape[1] for p in switchable)
-        return {16: (1.0, 2.0), 64: (4.0, 1.0 if wide else 5.0)}
+        if product is head:
+            return _timings((1, 2.0, 1.0), (64, 8.0, 4.0))
+        wide = product.shape[1] == max(p.shape[1] for p in layers)
+        return _timings((16, 1.0, 2.0), (64, 4.0, 1.0 if wide else 5.0))
 
     model = _model()
     head = model.get_output_embeddings().product
-    switchable = [p for p in products(model) if p is not head]
+    layers = [p for p in products(model) if p is not head]
     choice = choose_kernels(model, cache, measure_fn=fake_measure)
-    assert len(calls) == len(choice) == len({p.shape for p in switchable})  # one per shape, no head
-    assert head.int_mm_from_rows is None
-    assert {p.int_mm_from_rows for p in switchable} == {None, 64}
-    assert model.specdec_int8_wide_rows == 64  # a prefill runs in chunks at least this wide
+    assert len(calls) == len(choice) == len({p.shape for p in products(model)})  # one per shape
+    assert (head.wide_kernel, head.wide_from_rows) == (INT_MM, 1)
+    assert {p.wide_from_rows for p in layers} == {None, 64}
+    assert model.specdec_int8_wide_rows == 64  # a prefill runs in chunks this wide; the head not counted
+    assert model.specdec_int8_wide_kernel is None  # the layers do not agree (some stay on fbgemm)
     saved = json.loads(cache.read_text())
-    assert saved[cpu_key()] == choice
+    assert saved[cpu_key()] == {shape: (None if c is None else list(c)) for shape, c in choice.items()}
     calls.clear()
     again = _model()
     assert choose_kernels(again, cache, measure_fn=fake_measure) == choice and calls == []
@@ -104,7 +170,11 @@ def test_forced_modes_and_a_bad_value(tmp_path, monkeypatch):
     model = _model()
     monkeypatch.setenv(KERNELS_ENV, "int_mm")
     choice = choose_kernels(model, tmp_path / "k.json")
-    assert set(choice.values()) == {1} and not (tmp_path / "k.json").exists()
+    assert set(choice.values()) == {(INT_MM, 1)} and not (tmp_path / "k.json").exists()
+    assert model.specdec_int8_wide_kernel == INT_MM
+    if onednn_available():
+        monkeypatch.setenv(KERNELS_ENV, "onednn")
+        assert set(choose_kernels(model, None).values()) == {(ONEDNN, 1)}
     monkeypatch.setenv(KERNELS_ENV, "fbgemm")
     assert set(choose_kernels(model, None).values()) == {None}
     assert model.specdec_int8_wide_rows is None
@@ -114,13 +184,14 @@ def test_forced_modes_and_a_bad_value(tmp_path, monkeypatch):
 
 
 def test_a_model_gives_the_same_logits_whichever_kernel_each_pass_runs(monkeypatch):
-    """Whole passes: fbgemm only against _int_mm for every pass of 3 rows and more."""
+    """Whole passes: fbgemm only against a wide kernel for every pass of 3 rows and more."""
     context = [3, 17, 5, 29, 11, 8, 30, 2, 19, 7]
     logits = {}
-    for mode in ("fbgemm", "mixed"):
+    modes = ("fbgemm", *wide_kernels())
+    for mode in modes:
         model = _model()
         for product in products(model):
-            product.run_int_mm_from(3 if mode == "mixed" else None)
+            product.run_wide_from(None if mode == FBGEMM else 3, mode)
         kv = TreeKVCache(model)
         with torch.inference_mode():
             kv.prefill(context[:6])  # 6 rows: _int_mm in the mixed model
@@ -128,8 +199,9 @@ def test_a_model_gives_the_same_logits_whichever_kernel_each_pass_runs(monkeypat
             kv.settle([0, 1, 2, 3])
             last = kv.extend_chain([1])  # 1 row: fbgemm in both
         logits[mode] = (rows, last)
-    assert torch.equal(logits["fbgemm"][0], logits["mixed"][0])
-    assert torch.equal(logits["fbgemm"][1], logits["mixed"][1])
+    for mode in modes[1:]:
+        assert torch.equal(logits["fbgemm"][0], logits[mode][0]), mode
+        assert torch.equal(logits["fbgemm"][1], logits[mode][1]), mode
 
 
 def test_the_activation_levels_are_summed_exactly_on_this_cpu():

@@ -19,6 +19,7 @@ def _int8_model():
 
 def _prefilled(model, tokens, chunk, monkeypatch):
     monkeypatch.setattr(kv_module, "PREFILL_CHUNK_CPU", chunk)
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK_AMX", chunk)  # whichever kernel this CPU chose
     kv = TreeKVCache(model)
     kv.prefill(tokens)
     return kv
@@ -39,6 +40,7 @@ def test_chunked_prefill_is_bitwise_one_pass_at_int8(monkeypatch):
 def test_a_runner_gets_one_pass_per_chunk(monkeypatch):
     model = _int8_model()
     model.specdec_int8_wide_rows = None  # the chunk is the CPU's alone, whatever the kernels measured
+    model.specdec_int8_wide_kernel = None
     passes = []
 
     class Runner:
@@ -54,7 +56,7 @@ def test_a_runner_gets_one_pass_per_chunk(monkeypatch):
     assert len(passes) == 3 and kv.prefix_len == 40  # 16 + 16 + 8
 
 
-def test_chunk_sizes_by_device_and_the_int8_models_wide_kernel():
+def test_chunk_sizes_by_device_and_the_int8_models_wide_kernel(monkeypatch):
     assert prefill_chunk("cpu") == kv_module.PREFILL_CHUNK_CPU
     assert prefill_chunk("cuda") == kv_module.PREFILL_CHUNK_OTHER
 
@@ -66,4 +68,12 @@ def test_chunk_sizes_by_device_and_the_int8_models_wide_kernel():
     model.specdec_int8_wide_rows = 256  # _int_mm takes over from 256 rows: chunks that wide
     assert prefill_chunk("cpu", model) == 256
     model.specdec_int8_wide_rows = 16
+    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_CPU
+    model.specdec_int8_wide_kernel = "onednn"  # oneDNN's quantised linear: wide chunks where AMX runs it
+    monkeypatch.setattr(kv_module, "has_amx", lambda: True)
+    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_AMX
+    monkeypatch.setattr(kv_module, "has_amx", lambda: False)
+    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_CPU
+    model.specdec_int8_wide_kernel = "int_mm"
+    monkeypatch.setattr(kv_module, "has_amx", lambda: True)
     assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_CPU
