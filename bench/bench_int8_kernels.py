@@ -1,0 +1,63 @@
+"""Each int8 kernel's time for every distinct weight shape of a target, by rows, on this CPU.
+
+What specdec.runtime.int8_kernels measures at an engine's first start, printed as a table with the
+choice it makes, so a CPU's figures can be recorded beside the others:
+
+    python -m bench.bench_int8_kernels --out bench/results/<run>/int8-kernels.md    (1-2 min)
+
+Every kernel gives bitwise the same rows (tests/runtime/test_int8_kernels.py); only time differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_int8_kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="model (default: the default target)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="1,4,9,16,64,128,256", help="comma-separated row counts")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None, help="also write the table to this file")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from bench.bench_grounded import load_hf_target
+    from bench.machine import cpu_model
+    from specdec.defaults import DEFAULT_TARGET_MODEL
+    from specdec.models import resolve_model
+    from specdec.runtime.int8_kernels import best_wide, measure, products, wide_kernels
+
+    rows = [int(r) for r in args.rows.split(",") if r.strip()]
+    loaded = load_hf_target(resolve_model(args.target or DEFAULT_TARGET_MODEL), "int8", args.threads)
+    shapes = {}
+    for product in products(loaded.model):
+        shapes.setdefault(product.shape, product)
+    kernels = ("fbgemm", *wide_kernels())
+    lines = [f"int8 kernels, median ms per call ({cpu_model()}, {torch.get_num_threads()} threads, "
+             f"torch {torch.__version__}); {' / '.join(kernels)}; the choice as an engine makes it",
+             "", "| K × N | " + " | ".join(f"{r} rows" for r in rows) + " | choice |",
+             "|---|" + "---:|" * len(rows) + "---|"]
+    for (inputs, outputs), product in shapes.items():
+        print(f"measuring {inputs} × {outputs} …", file=sys.stderr, flush=True)
+        timings = measure(product, rows_grid=rows, repeats=args.repeats)
+        cells = [" / ".join(f"{1e3 * timings[r][k]:.2f}" for k in kernels) if r in timings else "–"
+                 for r in rows]
+        choice = best_wide(timings)
+        chosen = "fbgemm only" if choice is None else f"{choice[0]} from {choice[1]} rows"
+        lines.append(f"| {inputs} × {outputs} | " + " | ".join(cells) + f" | {chosen} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
