@@ -178,12 +178,13 @@ def serve_engine(role: str, *, model: str, host: str, port: int, device: str, dt
             threads = threads or len(core_list)
         path = resolve_model(model, role)
         from specdec.engine.sessions import SessionConfig
-        from specdec.runtime.compute_thread import ComputeThread
+        from specdec.runtime.compute_thread import ComputeThread, shorten_gil_switch
         from specdec.runtime.loading import load_model
 
         quiet_transformers()
         # Loaded on the thread that will run every pass: one OpenMP team (runtime.compute_thread).
         compute = ComputeThread(threads)
+        shorten_gil_switch()
         with err.status(f"loading {role} model {path} …"):
             loaded = compute.call(load_model, path, device=device, dtype=dtype, threads=threads)
         loaded.compute = compute

@@ -19,6 +19,7 @@ team. Results do not depend on the thread a pass runs on.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,19 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+
+
+# The compute thread lets go of the GIL inside most torch ops and takes it back after each, a few
+# thousand times a pass. While another thread holds it (the gRPC event loop, a worker), CPython
+# makes the waiter wait up to the switch interval (5 ms by default) before asking for it back.
+# Served target-only passes on a 2-vCPU AMX Xeon took 120-121 ms at 0.5 ms against 125-132 ms at
+# 5 ms (iterations 127-128 against 133-141 ms; bench/RESULTS.md, "oneDNN's quantised linear on AMX").
+ENGINE_SWITCH_INTERVAL_S = 0.0005
+
+
+def shorten_gil_switch() -> None:
+    """An engine process's GIL switch interval: the pass gets the GIL back sooner (never lengthened)."""
+    sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
 
 
 def serial_torch() -> None:

@@ -3,6 +3,7 @@ single-threaded (specdec.runtime.compute_thread says why: a second OpenMP team s
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,7 +12,12 @@ import torch
 
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.batching import ForwardBatcher
-from specdec.runtime.compute_thread import ComputeThread, serial_torch
+from specdec.runtime.compute_thread import (
+    ENGINE_SWITCH_INTERVAL_S,
+    ComputeThread,
+    serial_torch,
+    shorten_gil_switch,
+)
 
 
 def test_call_runs_on_one_thread_returns_and_raises():
@@ -77,3 +83,16 @@ def test_an_engine_runs_its_passes_on_the_thread_that_loaded_its_model(tiny):
         assert engine._batcher.compute is compute
     finally:
         compute.shutdown()
+
+
+def test_an_engine_process_shortens_the_gil_switch_but_never_lengthens_it():
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)  # CPython's default
+        shorten_gil_switch()
+        assert sys.getswitchinterval() == pytest.approx(ENGINE_SWITCH_INTERVAL_S, rel=0.05)
+        sys.setswitchinterval(0.0001)  # someone chose shorter: kept
+        shorten_gil_switch()
+        assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
+    finally:
+        sys.setswitchinterval(before)
