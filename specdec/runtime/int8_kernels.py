@@ -5,9 +5,10 @@ one row of the default target's 1536 × 17920 gate-and-up product on an AMX Xeon
 it falls far behind oneDNN for a wide pass there: 8.2 ms at 128 rows against 2.1 ms for oneDNN's
 quantised linear (AMX tiles) and 8.8 ms for `torch._int_mm` (oneDNN's s8 GEMM, no AMX). So the
 choice is measured on the machine: per distinct weight shape, fbgemm and each wide kernel at a
-few row counts; the wide kernel that is fastest at the widest count measured runs every call from
-the smallest count on which it wins (by a margin, at that count and every larger one measured),
-and a prompt's prefill runs in chunks at least that wide (specdec.runtime.kv.prefill_chunk). The
+few row counts. Each wide kernel would run every call from the smallest count on which it wins
+(by a margin, at that count and every larger one measured); the one kept is the one whose switch
+makes the measured calls cheapest (`best_wide`), and a prompt's prefill runs in chunks at least
+that wide (specdec.runtime.kv.prefill_chunk). The
 answer is saved under the specdec home, keyed by CPU model, capability, torch version and threads,
 so a later start reads it.
 
@@ -33,7 +34,15 @@ from pathlib import Path
 import torch
 
 from specdec.runtime.cpuinfo import cpuinfo_field
-from specdec.runtime.int8 import FBGEMM, INT_MM, ONEDNN, WIDE_KERNELS, Int8Product, onednn_available
+from specdec.runtime.int8 import (
+    FBGEMM,
+    INT_MM,
+    ONEDNN,
+    WIDE_KERNELS,
+    Int8Product,
+    onednn_available,
+    quantize_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +74,7 @@ def wide_kernels() -> tuple[str, ...]:
     return (INT_MM, ONEDNN) if onednn_available() else (INT_MM,)
 
 
-def crossover(timings: Timings, kernel: str = INT_MM) -> int | None:
+def crossover(timings: Timings, kernel: str) -> int | None:
     """The smallest measured row count from which `kernel` beats fbgemm at every larger count, else None."""
     threshold = None
     for rows in sorted(timings, reverse=True):
@@ -114,8 +123,6 @@ def measure(product: Int8Product, rows_grid: Iterable[int] = ROW_GRID, repeats: 
             kernels: Iterable[str] | None = None) -> Timings:
     """fbgemm's and each wide kernel's median seconds for the GEMM of `product` on random rows of
     its input width; the product keeps the kernels it had."""
-    from specdec.runtime.int8 import quantize_rows
-
     inputs, _ = product.shape
     had = None if product.wide_kernel is None else (product.wide_kernel, product.wide_from_rows)
     timings: Timings = {}
