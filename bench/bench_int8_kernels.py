@@ -5,6 +5,8 @@ choice it makes, so a CPU's figures can be recorded beside the others:
 
     python -m bench.bench_int8_kernels --out bench/results/<run>/int8-kernels.md    (1-2 min)
 
+`--exhaustive` fills the cells an engine leaves out.
+
 Every kernel gives bitwise the same rows (tests/runtime/test_int8_kernels.py); only time differs.
 """
 
@@ -22,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,4,9,16,64,128,256", help="comma-separated row counts")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--exhaustive", action="store_true",
+                   help="time every kernel at every row count (an engine stops a wide kernel where it "
+                        "loses; on a CPU where a wide kernel is a fallback loop this takes ~10 min)")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this file")
     args = p.parse_args(argv)
 
@@ -39,15 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     for product in products(loaded.model):
         shapes.setdefault(product.shape, product)
     kernels = ("fbgemm", *wide_kernels())
-    lines = [f"int8 kernels, median ms per call ({cpu_model()}, {torch.get_num_threads()} threads, "
-             f"torch {torch.__version__}); {' / '.join(kernels)}; the choice as an engine makes it",
+    lines = [f"int8 kernels, fastest call's ms ({cpu_model()}, {torch.get_num_threads()} threads, "
+             f"torch {torch.__version__}); {' / '.join(kernels)} (–: not timed, as an engine stops a wide "
+             f"kernel where it loses); the choice as an engine makes it",
              "", "| K × N | " + " | ".join(f"{r} rows" for r in rows) + " | choice |",
              "|---|" + "---:|" * len(rows) + "---|"]
     for (inputs, outputs), product in shapes.items():
         print(f"measuring {inputs} × {outputs} …", file=sys.stderr, flush=True)
-        timings = measure(product, rows_grid=rows, repeats=args.repeats)
-        cells = [" / ".join(f"{1e3 * timings[r][k]:.2f}" for k in kernels) if r in timings else "–"
-                 for r in rows]
+        timings = measure(product, rows_grid=rows, repeats=args.repeats, exhaustive=args.exhaustive)
+        cells = [" / ".join(f"{1e3 * timings[r][k]:.2f}" if k in timings[r] else "–" for k in kernels)
+                 if r in timings else "–" for r in rows]
         choice = best_wide(timings)
         chosen = "fbgemm only" if choice is None else f"{choice[0]} from {choice[1]} rows"
         lines.append(f"| {inputs} × {outputs} | " + " | ".join(cells) + f" | {chosen} |")

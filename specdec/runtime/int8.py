@@ -18,6 +18,7 @@ an AMX Xeon. A product may run fbgemm below a row count and a wide kernel from i
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -49,6 +50,44 @@ def fbgemm_available() -> bool:
 def onednn_available() -> bool:
     """Whether this torch has oneDNN's quantised linear (x86 builds with mkldnn)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def _onednn_linear(codes: torch.Tensor, zero_point: int, packed: torch.Tensor, scale: torch.Tensor,
+                   weight_zero_points: torch.Tensor) -> torch.Tensor:
+    """float(Σ codes · W) · scale per output channel by oneDNN's quantised linear, the codes taken
+    as signed (zero point 0) or shifted into unsigned ones (any other zero point)."""
+    x = codes.to(torch.int8) if zero_point == 0 else (codes + zero_point).to(torch.uint8)
+    return torch.ops.onednn.qlinear_pointwise(
+        x, 1.0, zero_point, packed, scale, weight_zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+
+
+@functools.cache
+def onednn_input_zero_point() -> int | None:
+    """How oneDNN's quantised linear takes the codes on this CPU so that it sums them exactly: 0
+    (signed, the form measured on the AMX Xeon) where that is exact, else 64 (unsigned, fbgemm's
+    form); None where neither is (the kernel is then never chosen).
+
+    Without VNNI, oneDNN shifts signed codes by 128 into unsigned ones and sums u8 × s8 pairs in
+    int16 (vpmaddubsw), which saturates at 191 · 127 · 2: on an AVX2 EPYC its rows came out wrong
+    by several per cent. Codes + 64 stay in [1, 127], within int16, as for fbgemm. Checked once, on
+    the codes that saturate first (every one at its extreme).
+    """
+    if not onednn_available():
+        return None
+    inputs, outputs = 256, 16
+    weight = torch.full((outputs, inputs), WEIGHT_LEVELS, dtype=torch.int8)
+    weight[outputs // 2:] = -WEIGHT_LEVELS
+    codes = torch.full((3, inputs), float(ACTIVATION_LEVELS))
+    codes[1] = -ACTIVATION_LEVELS
+    codes[2, ::2] = -ACTIVATION_LEVELS
+    exact = codes.double() @ weight.double().t()
+    packed = torch.ops.onednn.qlinear_prepack(weight, [1, inputs])
+    ones, no_zero_points = torch.ones(outputs), torch.zeros(outputs, dtype=torch.long)
+    for zero_point in (0, _ACTIVATION_ZERO_POINT):
+        if torch.equal(_onednn_linear(codes, zero_point, packed, ones, no_zero_points).double(), exact):
+            return zero_point
+    log.warning("oneDNN's quantised linear does not sum int8 codes exactly on this CPU: not used")
+    return None
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,11 +179,12 @@ class Int8Product:
             return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
                 codes, 1.0, _ACTIVATION_ZERO_POINT, self._packed)
         if kernel == ONEDNN:
-            # signed codes, zero point 0, input scale 1.0: float(int32 sum) · weight_scale per
-            # output channel, the same one product as the other kernels
-            return torch.ops.onednn.qlinear_pointwise(
-                codes.to(torch.int8), 1.0, 0, self._onednn, self.weight_scale,
-                self._no_zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+            # input scale 1.0, weight zero points 0: float(int32 sum) · weight_scale per output
+            # channel, the same one product as the other kernels
+            zero_point = onednn_input_zero_point()
+            if zero_point is None:
+                raise RuntimeError("oneDNN's quantised linear is not exact on this CPU")
+            return _onednn_linear(codes, zero_point, self._onednn, self.weight_scale, self._no_zero_points)
         # int32 × float32 promotes per element: float(sum) · scale, one pass and one rounding
         return torch._int_mm(codes.to(torch.int8), self._codes_t) * self.weight_scale
 

@@ -1,16 +1,17 @@
 """Which int8 GEMM runs a call, by its rows, its weight's shape and this CPU: measured, then kept.
 
-fbgemm's kernel is the fastest for one row of most shapes on every CPU we measured (0.58 ms for
-one row of the default target's 1536 × 17920 gate-and-up product on an AMX Xeon, 2 threads), but
-it falls far behind oneDNN for a wide pass there: 8.2 ms at 128 rows against 2.1 ms for oneDNN's
-quantised linear (AMX tiles) and 8.8 ms for `torch._int_mm` (oneDNN's s8 GEMM, no AMX). So the
-choice is measured on the machine: per distinct weight shape, fbgemm and each wide kernel at a
-few row counts. Each wide kernel would run every call from the smallest count on which it wins
-(by a margin, at that count and every larger one measured); the one kept is the one whose switch
-makes the measured calls cheapest (`best_wide`), and a prompt's prefill runs in chunks at least
-that wide (specdec.runtime.kv.prefill_chunk). The
-answer is saved under the specdec home, keyed by CPU model, capability, torch version and threads,
-so a later start reads it.
+fbgemm's kernel is the fastest for one row of most shapes on every CPU we measured (0.58 ms for one
+row of the default target's 1536 × 17920 gate-and-up product on an AMX Xeon, 2 threads), but it
+falls far behind oneDNN for a wide pass there: 8.2 ms at 128 rows against 2.1 ms for oneDNN's
+quantised linear (AMX tiles) and 8.8 ms for `torch._int_mm` (oneDNN's s8 GEMM, no AMX). On an AVX2
+EPYC without VNNI fbgemm won every shape at every count, and `_int_mm` was a fallback loop (144
+times fbgemm's time at 256 rows). So the choice is measured on the machine: per distinct weight
+shape, fbgemm and each wide kernel at a few row counts, the fastest of a few calls, alternated
+(`measure`). Each wide kernel would run every call from the smallest count on which it wins (by a
+margin, at that count and every larger one measured); the one kept is the one whose switch makes
+the measured calls cheapest (`best_wide`), and a prompt's prefill runs in chunks at least that wide
+(specdec.runtime.kv.prefill_chunk). The answer is saved under the specdec home, keyed by CPU model,
+capability, torch version and threads, so a later start reads it.
 
 Every kernel sums int8 products in int32, exactly, and scales the float sum once, so rows are
 bitwise the same whichever kernel ran (docs/algorithms.md §14); only time and memory change. A
@@ -26,21 +27,22 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from specdec.runtime.cpuinfo import cpuinfo_field
+from specdec.runtime.file_lock import file_lock
 from specdec.runtime.int8 import (
     FBGEMM,
     INT_MM,
     ONEDNN,
     WIDE_KERNELS,
     Int8Product,
-    onednn_available,
+    onednn_input_zero_point,
     quantize_rows,
 )
 
@@ -48,16 +50,18 @@ log = logging.getLogger(__name__)
 
 KERNELS_ENV = "SPECDEC_INT8_KERNELS"
 KERNEL_MODES = ("auto", FBGEMM, *WIDE_KERNELS)
-CACHE_FILE = "int8-kernels-2.json"  # {cpu key: {"KxN": [wide kernel, rows] or null}}
+CACHE_FILE = "int8-kernels-3.json"  # {cpu key: {"KxN": [wide kernel, rows] or null}}
 # row counts measured: a decode step, chains and trees, prefill chunks, a long prefill
 ROW_GRID = (1, 4, 9, 16, 64, 128, 256)
 WIDE_ROWS_ATTRIBUTE = "specdec_int8_wide_rows"  # set on the model: the smallest switch-over row count
 WIDE_KERNEL_ATTRIBUTE = "specdec_int8_wide_kernel"  # and the layers' wide kernel, where they agree
 MARGIN = 0.9  # a wide kernel must take under 90 % of fbgemm's time to be chosen (measurement noise)
+REPEATS = 5  # timed calls of each kernel at each row count (their fastest counts)
+HOPELESS = 4.0  # a wide kernel this many times fbgemm's first call at its widest count is timed no further
 MAX_CALL_SECONDS = 0.05  # a shape's grid stops where one fbgemm call takes longer (the lm_head)
 NEVER = 1 << 62  # a switch-over no call reaches: holds a wide kernel's weight for measuring it
 
-Timings = dict[int, dict[str, float]]  # rows → {kernel: median seconds}
+Timings = dict[int, dict[str, float]]  # rows → {kernel: fastest call's seconds}
 Choice = tuple[str, int] | None  # (wide kernel, from how many rows) or fbgemm only
 
 
@@ -70,8 +74,9 @@ def cpu_key(threads: int | None = None) -> str:
 
 
 def wide_kernels() -> tuple[str, ...]:
-    """The wide kernels this torch has: `_int_mm` always, oneDNN's quantised linear on x86 builds."""
-    return (INT_MM, ONEDNN) if onednn_available() else (INT_MM,)
+    """The wide kernels this torch has: `_int_mm` always, oneDNN's quantised linear on x86 builds
+    where it sums exactly (specdec.runtime.int8.onednn_input_zero_point)."""
+    return (INT_MM, ONEDNN) if onednn_input_zero_point() is not None else (INT_MM,)
 
 
 def crossover(timings: Timings, kernel: str) -> int | None:
@@ -102,14 +107,10 @@ def best_wide(timings: Timings) -> Choice:
     return None if best is None else (best[1], best[2])
 
 
-def _median_seconds(product: Int8Product, codes: torch.Tensor, kernel: str, repeats: int) -> float:
-    product.gemm(codes, kernel)  # warm-up: packing caches, oneDNN's primitive for this shape
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        product.gemm(codes, kernel)
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
+def _seconds(product: Int8Product, codes: torch.Tensor, kernel: str) -> float:
+    began = time.perf_counter()
+    product.gemm(codes, kernel)
+    return time.perf_counter() - began
 
 
 def _switch(product: Int8Product, choice: Choice) -> None:
@@ -119,27 +120,50 @@ def _switch(product: Int8Product, choice: Choice) -> None:
         product.run_wide_from(choice[1], choice[0])
 
 
-def measure(product: Int8Product, rows_grid: Iterable[int] = ROW_GRID, repeats: int = 3,
-            kernels: Iterable[str] | None = None) -> Timings:
-    """fbgemm's and each wide kernel's median seconds for the GEMM of `product` on random rows of
-    its input width; the product keeps the kernels it had."""
+def measure(product: Int8Product, rows_grid: Iterable[int] = ROW_GRID, repeats: int = REPEATS,
+            kernels: Iterable[str] | None = None, exhaustive: bool = False) -> Timings:
+    """fbgemm's and each wide kernel's fastest call, in seconds, for the GEMM of `product` on random
+    rows of its input width; the product keeps the kernels it had.
+
+    Made to hold on a shared host and to stay short where a wide kernel is slow:
+    - the fastest of `repeats` calls, not the median: other work on the host only adds time;
+    - a wide kernel's calls alternate with fbgemm's on the same rows, so a burst of load lands on
+      both sides of the comparison;
+    - a wide kernel is timed from the widest count down and stops at the first count where it
+      loses (crossover looks no further), or after one call where it is a fallback loop
+      (HOPELESS times fbgemm's: `_int_mm` without AVX-512 took 144 times fbgemm's time at 256
+      rows on an AVX2 EPYC, and measuring it everywhere took that CPU 10 minutes).
+    `exhaustive` times every kernel at every count instead (the benchmark's full table).
+    """
     inputs, _ = product.shape
     had = None if product.wide_kernel is None else (product.wide_kernel, product.wide_from_rows)
     timings: Timings = {}
+    inputs_by_rows: dict[int, torch.Tensor] = {}
     generator = torch.Generator().manual_seed(0)
     try:
         with torch.inference_mode():
-            inputs_by_rows = {}
             for rows in sorted(rows_grid):
                 codes, _ = quantize_rows(torch.randn(rows, inputs, generator=generator))
                 inputs_by_rows[rows] = codes
-                timings[rows] = {FBGEMM: _median_seconds(product, codes, FBGEMM, repeats)}
+                product.gemm(codes, FBGEMM)  # warm-up: packing caches
+                timings[rows] = {FBGEMM: min(_seconds(product, codes, FBGEMM) for _ in range(repeats))}
                 if timings[rows][FBGEMM] > MAX_CALL_SECONDS:
                     break
             for kernel in wide_kernels() if kernels is None else kernels:
                 product.run_wide_from(NEVER, kernel)  # its weight, for the measurement only
-                for rows in timings:
-                    timings[rows][kernel] = _median_seconds(product, inputs_by_rows[rows], kernel, repeats)
+                for rows in sorted(timings, reverse=True):
+                    codes, by_kernel = inputs_by_rows[rows], timings[rows]
+                    first = _seconds(product, codes, kernel)  # and oneDNN's primitive for this shape
+                    if first > HOPELESS * by_kernel[FBGEMM] and not exhaustive:
+                        by_kernel[kernel] = first
+                        break
+                    fastest = first
+                    for _ in range(repeats):
+                        by_kernel[FBGEMM] = min(by_kernel[FBGEMM], _seconds(product, codes, FBGEMM))
+                        fastest = min(fastest, _seconds(product, codes, kernel))
+                    by_kernel[kernel] = fastest
+                    if fastest >= MARGIN * by_kernel[FBGEMM] and not exhaustive:
+                        break
     finally:
         _switch(product, had)
     return timings
@@ -184,8 +208,60 @@ def _saved(value: object) -> tuple[bool, Choice]:
     return False, None
 
 
+def _size(product: Int8Product) -> int:
+    return product.shape[0] * product.shape[1]
+
+
+def _fallback_loop(timings: Timings, kernel: str) -> bool:
+    """Whether `kernel` took HOPELESS times fbgemm's time at the widest count it was timed at."""
+    timed = [rows for rows in timings if kernel in timings[rows]]
+    return bool(timed) and timings[max(timed)][kernel] > HOPELESS * timings[max(timed)][FBGEMM]
+
+
+MeasureFn = Callable[[Int8Product, Iterable[str]], Timings]  # (product, wide kernels) → timings
+
+
+def _measure_with(product: Int8Product, kernels: Iterable[str]) -> Timings:
+    return measure(product, kernels=kernels)
+
+
+def _measured_choices(by_shape: dict[str, list[Int8Product]], cache: Path | None,
+                      measure_fn: MeasureFn) -> dict[str, Choice]:
+    """The saved choice for each shape this CPU key has one for, the others measured and saved.
+
+    Measuring holds a lock beside the cache: engines starting together on one host (a drafter and
+    a verifier) would otherwise time their kernels against each other's load, and the slower
+    figures would be kept for good. The second re-reads what the first saved.
+    """
+    key = cpu_key()
+    lock = nullcontext() if cache is None else file_lock(cache.with_name(f".{cache.name}.lock"))
+    with lock:
+        saved = _read_cache(cache) if cache is not None else {}
+        known = saved.get(key, {}) if isinstance(saved.get(key), dict) else {}
+        choice: dict[str, Choice] = {}
+        kernels = list(wide_kernels())
+        # smallest shape first: a kernel that is a fallback loop on this CPU is found there, cheaply,
+        # and not timed on the others (on the AVX2 EPYC _int_mm's one call on the vocabulary took 20 s)
+        for shape, group in sorted(by_shape.items(), key=lambda item: _size(item[1][0])):
+            valid, kept = _saved(known.get(shape, False))
+            if valid:
+                choice[shape] = kept
+                continue
+            timings = measure_fn(group[0], kernels)
+            kernels = [kernel for kernel in kernels if not _fallback_loop(timings, kernel)]
+            choice[shape] = best_wide(timings)
+            log.info("int8 kernels for %s (ms by rows): %s → %s", shape,
+                     {rows: {k: round(v * 1e3, 3) for k, v in by_kernel.items()}
+                      for rows, by_kernel in timings.items()}, choice[shape] or "fbgemm only")
+        stored = {shape: (None if c is None else list(c)) for shape, c in choice.items()}
+        if cache is not None and stored != known:
+            saved[key] = {**known, **stored}
+            _write_cache(cache, saved)
+    return choice
+
+
 def choose_kernels(model: torch.nn.Module, cache: Path | None, mode: str | None = None,
-                   measure_fn: Callable[[Int8Product], Timings] = measure) -> dict[str, Choice]:
+                   measure_fn: MeasureFn | None = None) -> dict[str, Choice]:
     """Set every product's wide kernel and switch-over for this CPU; returns {"KxN": (kernel, rows)
     or None}.
 
@@ -194,8 +270,9 @@ def choose_kernels(model: torch.nn.Module, cache: Path | None, mode: str | None 
     mode = (mode or os.environ.get(KERNELS_ENV) or "auto").strip().lower()
     if mode not in KERNEL_MODES:
         raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
-    if mode == ONEDNN and not onednn_available():
-        raise ValueError(f"{KERNELS_ENV}=onednn: this torch build has no oneDNN quantised linear")
+    if mode == ONEDNN and ONEDNN not in wide_kernels():
+        raise ValueError(f"{KERNELS_ENV}=onednn: this torch build has no oneDNN quantised linear "
+                         "that sums int8 codes exactly on this CPU")
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = getattr(output, "product", None)
     switchable = [p for p in products(model) if p.kernel == FBGEMM]
@@ -208,24 +285,7 @@ def choose_kernels(model: torch.nn.Module, cache: Path | None, mode: str | None 
     elif mode != "auto":
         choice = {shape: (mode, 1) for shape in by_shape}
     else:
-        key = cpu_key()
-        saved = _read_cache(cache) if cache is not None else {}
-        known = saved.get(key, {}) if isinstance(saved.get(key), dict) else {}
-        choice = {}
-        for shape, group in by_shape.items():
-            valid, kept = _saved(known.get(shape, False))
-            if valid:
-                choice[shape] = kept
-                continue
-            timings = measure_fn(group[0])
-            choice[shape] = best_wide(timings)
-            log.info("int8 kernels for %s (ms by rows): %s → %s", shape,
-                     {rows: {k: round(v * 1e3, 3) for k, v in by_kernel.items()}
-                      for rows, by_kernel in timings.items()}, choice[shape] or "fbgemm only")
-        stored = {shape: (None if c is None else list(c)) for shape, c in choice.items()}
-        if cache is not None and stored != known:
-            saved[key] = {**known, **stored}
-            _write_cache(cache, saved)
+        choice = _measured_choices(by_shape, cache, measure_fn or _measure_with)
     for shape, group in by_shape.items():
         for product in group:
             _switch(product, choice[shape])

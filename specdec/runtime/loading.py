@@ -9,14 +9,12 @@ local_files_only (and the CLI defaults HF_HUB_OFFLINE to 1 when it runs a comman
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from specdec.defaults import PRECISIONS, resolve_precision, specdec_home
 from specdec.engine.api import ModelInfo
 from specdec.runtime.allocator import keep_freed_memory
 from specdec.runtime.compute_thread import ComputeThread
+from specdec.runtime.file_lock import file_lock
 from specdec.runtime.fixed_attention import attention_choice
 from specdec.runtime.int8 import invariant_kv_dtype, quantize_linears, use_invariant_attention
 from specdec.runtime.int8_kernels import CACHE_FILE as KERNEL_CACHE_FILE
@@ -151,16 +150,6 @@ def _is_converted(directory: Path) -> bool:
     return (directory / SOURCE_FILE).is_file()
 
 
-@contextmanager
-def _file_lock(path: Path):
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _convert_into(gguf_path: Path, directory: Path, home: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -209,7 +198,7 @@ def convert_gguf(gguf_path: str | Path, home: Path | None = None, force: bool = 
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # One converter per file across processes: the others wait here, then find the result.
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if _is_converted(target) and not force:
             return target
         for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed converter

@@ -1,4 +1,5 @@
-"""bench.bench_int8_kernels on the tiny target: a row per weight shape, every kernel timed, a choice."""
+"""bench.bench_int8_kernels on the tiny target: a row per weight shape, every kernel timed
+(--exhaustive), a choice."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from specdec.runtime.int8_kernels import wide_kernels
 def test_kernel_table_of_the_tiny_target(tiny_dirs, tmp_path, capsys) -> None:
     out = tmp_path / "kernels.md"
     argv = ["--target", str(tiny_dirs["target"]), "--threads", "1", "--rows", "1,8", "--repeats", "1",
-            "--out", str(out)]
+            "--exhaustive", "--out", str(out)]
     assert bench_int8_kernels.main(argv) == 0
     table = [line for line in out.read_text().splitlines() if line.startswith("| ") and "×" in line
              and "K × N" not in line]

@@ -73,6 +73,25 @@ def test_every_kernel_rounds_sums_beyond_float32s_integers_alike(kernel):
     assert torch.equal(product.gemm(rows, kernel), product.gemm(rows, FBGEMM))
 
 
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN quantised linear")
+def test_onednn_takes_the_codes_in_a_form_it_sums_exactly_on_this_cpu():
+    """Unsigned codes (+ 64) are exact everywhere; signed ones saturate without VNNI (an AVX2 EPYC),
+    and the form the probe picks must be exact over the default target's widest input."""
+    from specdec.runtime.int8 import _onednn_linear, onednn_input_zero_point
+
+    torch.manual_seed(1)
+    inputs, outputs = 8960, 24
+    weight = (torch.randn(outputs, inputs).sign() * 127).to(torch.int8)
+    codes = torch.randint(-ACTIVATION_LEVELS, ACTIVATION_LEVELS + 1, (5, inputs)).float()
+    codes[0], codes[1] = ACTIVATION_LEVELS, weight[0].float().sign() * ACTIVATION_LEVELS
+    exact = (codes.double() @ weight.double().t()).float()  # float(int32 sum), the kernels' epilogue
+    packed = torch.ops.onednn.qlinear_prepack(weight, [1, inputs])
+    ones, zeros = torch.ones(outputs), torch.zeros(outputs, dtype=torch.long)
+    assert torch.equal(_onednn_linear(codes, 64, packed, ones, zeros), exact)
+    signed_exact = torch.equal(_onednn_linear(codes, 0, packed, ones, zeros), exact)
+    assert onednn_input_zero_point() == (0 if signed_exact else 64)
+
+
 def test_switching_between_wide_kernels_keeps_one_copy():
     product = Int8Product(torch.randn(40, 24))
     product.run_wide_from(8, INT_MM)
@@ -120,7 +139,7 @@ def test_the_wide_kernel_is_the_one_that_makes_the_measured_calls_cheapest():
 
 def test_measure_times_every_kernel_and_leaves_the_product_as_it_was():
     product = Int8Product(torch.randn(48, 32))
-    timings = measure(product, rows_grid=(1, 4), repeats=1)
+    timings = measure(product, rows_grid=(1, 4), repeats=1, exhaustive=True)
     assert sorted(timings) == [1, 4]
     assert all(set(by_kernel) == {FBGEMM, *wide_kernels()} and min(by_kernel.values()) > 0
                for by_kernel in timings.values())
@@ -128,6 +147,81 @@ def test_measure_times_every_kernel_and_leaves_the_product_as_it_was():
     product.run_wide_from(2, INT_MM)
     measure(product, rows_grid=(1,), repeats=1)
     assert (product.wide_kernel, product.wide_from_rows) == (INT_MM, 2) and product._codes_t is not None
+
+
+class _Clock:
+    """Stands in for int8_kernels._seconds: each (rows, kernel) call "takes" a set time, the first
+    call of a wide kernel at a count `first_extra` more (oneDNN's primitive), and every call is kept."""
+
+    def __init__(self, table, first_extra=0.0):
+        self.table, self.first_extra, self.calls = table, first_extra, []
+
+    def __call__(self, product, codes, kernel):
+        rows = codes.shape[0]
+        first = kernel != FBGEMM and (rows, kernel) not in self.calls
+        self.calls.append((rows, kernel))
+        return self.table[rows][kernel] + (self.first_extra if first else 0.0)
+
+
+def test_measure_stops_a_wide_kernel_where_it_loses_and_a_fallback_loop_after_one_call(monkeypatch):
+    from specdec.runtime import int8_kernels
+
+    # _int_mm: a fallback loop (AVX2); the other wins at 256 and 64 rows, loses at 16
+    fast = ONEDNN if onednn_available() else INT_MM
+    slow = INT_MM if fast == ONEDNN else None
+    table = {rows: {FBGEMM: rows * 1e-4, fast: (0.5 if rows >= 64 else 1.5) * rows * 1e-4,
+                    INT_MM if slow else "none": rows * 1e-2} for rows in (1, 4, 16, 64, 256)}
+    clock = _Clock(table, first_extra=1e-3)
+    monkeypatch.setattr(int8_kernels, "_seconds", clock)
+    product = Int8Product(torch.randn(48, 32))
+    kernels = [fast] + ([slow] if slow else [])
+    timings = measure(product, rows_grid=(1, 4, 16, 64, 256), repeats=3, kernels=kernels)
+    assert [rows for rows in (256, 64, 16, 4, 1) if fast in timings[rows]] == [256, 64, 16]
+    assert timings[64][fast] == table[64][fast]  # the fastest call, the slow first one not counted
+    assert crossover(timings, fast) == 64 and best_wide(timings) == (fast, 64)
+    assert clock.calls.count((16, fast)) == 4 and (4, fast) not in clock.calls  # stopped at the loss
+    if slow:
+        assert clock.calls.count((256, slow)) == 1 and [r for r in timings if slow in timings[r]] == [256]
+    # fbgemm's calls alternate with the wide kernel's at the same count
+    at_64 = [kernel for rows, kernel in clock.calls if rows == 64]
+    assert at_64[-6:] == [FBGEMM, fast] * 3
+    clock.calls.clear()
+    everything = measure(product, rows_grid=(1, 4, 16, 64, 256), repeats=1, kernels=kernels, exhaustive=True)
+    assert all(set(by_kernel) == {FBGEMM, *kernels} for by_kernel in everything.values())
+    assert product.wide_from_rows is None
+
+
+def test_engines_starting_together_take_turns_the_second_reading_the_first_ones_choice(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    cache = tmp_path / "int8-kernels.json"
+    measuring, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_measure(product, kernels):
+        calls.append(product.shape)
+        measuring.set()
+        assert release.wait(30)
+        return _timings((16, 1.0, 2.0))
+
+    first_model, second_model = _model(), _model()
+    results = {}
+    first = threading.Thread(target=lambda: results.setdefault(
+        "first", choose_kernels(first_model, cache, measure_fn=slow_measure)))
+    first.start()
+    assert measuring.wait(30)
+    second = threading.Thread(target=lambda: results.setdefault(
+        "second", choose_kernels(second_model, cache, measure_fn=slow_measure)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and "second" not in results  # waiting on the lock, not measuring
+    shapes = len(calls)
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert not first.is_alive() and not second.is_alive()
+    assert results["first"] == results["second"]
+    assert len(calls) == len({p.shape for p in products(first_model)}) >= shapes  # the first one's only
 
 
 def _model():
@@ -143,7 +237,8 @@ def test_choice_is_measured_once_per_cpu_and_shape_and_kept(tmp_path, monkeypatc
     cache = tmp_path / "int8-kernels.json"
     calls = []
 
-    def fake_measure(product):  # _int_mm wins from 64 rows for the widest layer only; the head from 1
+    # _int_mm wins from 64 rows for the widest layer only; the head from 1
+    def fake_measure(product, kernels):
         calls.append(product.shape)
         if product is head:
             return _timings((1, 2.0, 1.0), (64, 8.0, 4.0))
@@ -164,6 +259,22 @@ def test_choice_is_measured_once_per_cpu_and_shape_and_kept(tmp_path, monkeypatc
     calls.clear()
     again = _model()
     assert choose_kernels(again, cache, measure_fn=fake_measure) == choice and calls == []
+
+
+def test_a_fallback_loop_found_on_the_smallest_shape_is_not_timed_on_the_others(tmp_path, monkeypatch):
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    asked = []
+
+    def fake_measure(product, kernels):  # _int_mm 50 times fbgemm's time (AVX2's fallback loop)
+        asked.append((product.shape[0] * product.shape[1], list(kernels)))
+        return {64: {FBGEMM: 1.0, **{kernel: 50.0 if kernel == INT_MM else 2.0 for kernel in kernels}}}
+
+    model = _model()
+    choose_kernels(model, tmp_path / "k.json", measure_fn=fake_measure)
+    sizes = [size for size, _ in asked]
+    assert sizes == sorted(sizes) and len(asked) > 1  # smallest first
+    assert INT_MM in asked[0][1] and all(INT_MM not in kernels for _, kernels in asked[1:])
+    assert all(ONEDNN in kernels for _, kernels in asked) == (ONEDNN in wide_kernels())
 
 
 def test_forced_modes_and_a_bad_value(tmp_path, monkeypatch):
