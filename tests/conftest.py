@@ -162,8 +162,9 @@ PROCESS_STARTERS = re.compile(r"subprocess\.(?:run|Popen|check_output|check_call
 PROCESS_FIXTURES = frozenset({"redis_url"})  # session fixtures: started before the guard below
 # Started once per process by shared state, whichever test comes first, and cheap: not a slow test's
 # mark (platform's processor probe; a verifier's chat-template child, reused afterwards; the C
-# compiler building the int8 attention kernel, once per machine, ~0.2 s).
-QUICK_PROCESSES = ("uname", "specdec.runtime.chat_template", "attention_kernel.c")
+# compiler building the int8 attention kernel, once per machine, ~0.2 s; matplotlib's font list,
+# once per machine).
+QUICK_PROCESSES = ("uname", "specdec.runtime.chat_template", "attention_kernel.c", "fc-list")
 _LOCAL_IMPORT = re.compile(r"^\s*from (tests(?:\.\w+)*|\.\w*) import", re.MULTILINE)
 TESTS_ROOT = Path(__file__).resolve().parent
 
