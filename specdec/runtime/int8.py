@@ -121,6 +121,7 @@ class Int8Product:
         codes, self.weight_scale = quantize_weight(weight.detach().float())
         self.shape = (int(codes.shape[1]), int(codes.shape[0]))  # (K, N): input and output features
         self._packed = self._codes_t = self._onednn = None
+        self._onednn_zero_point = 0  # how oneDNN takes the codes here (onednn_input_zero_point)
         # From this many rows on a call runs `wide_kernel`, below it fbgemm (None: one kernel only)
         self.wide_from_rows: int | None = None
         self.wide_kernel: str | None = None
@@ -165,6 +166,9 @@ class Int8Product:
             if self._codes_t is None:
                 self._codes_t = self.weight_codes().t().contiguous()
         else:
+            self._onednn_zero_point = onednn_input_zero_point()
+            if self._onednn_zero_point is None:
+                raise ValueError("oneDNN's quantised linear does not sum int8 codes exactly on this CPU")
             self._codes_t = None
             if self._onednn is None:
                 self._onednn = torch.ops.onednn.qlinear_prepack(self.weight_codes().contiguous(),
@@ -181,10 +185,8 @@ class Int8Product:
         if kernel == ONEDNN:
             # input scale 1.0, weight zero points 0: float(int32 sum) · weight_scale per output
             # channel, the same one product as the other kernels
-            zero_point = onednn_input_zero_point()
-            if zero_point is None:
-                raise RuntimeError("oneDNN's quantised linear is not exact on this CPU")
-            return _onednn_linear(codes, zero_point, self._onednn, self.weight_scale, self._no_zero_points)
+            return _onednn_linear(codes, self._onednn_zero_point, self._onednn, self.weight_scale,
+                                  self._no_zero_points)
         # int32 × float32 promotes per element: float(sum) · scale, one pass and one rounding
         return torch._int_mm(codes.to(torch.int8), self._codes_t) * self.weight_scale
 

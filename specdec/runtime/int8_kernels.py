@@ -107,6 +107,11 @@ def best_wide(timings: Timings) -> Choice:
     return None if best is None else (best[1], best[2])
 
 
+def _hopeless(seconds: float, fbgemm_seconds: float) -> bool:
+    """A wide kernel this slow against fbgemm is a fallback loop on this CPU: timed no further."""
+    return seconds > HOPELESS * fbgemm_seconds
+
+
 def _seconds(product: Int8Product, codes: torch.Tensor, kernel: str) -> float:
     began = time.perf_counter()
     product.gemm(codes, kernel)
@@ -154,7 +159,7 @@ def measure(product: Int8Product, rows_grid: Iterable[int] = ROW_GRID, repeats: 
                 for rows in sorted(timings, reverse=True):
                     codes, by_kernel = inputs_by_rows[rows], timings[rows]
                     first = _seconds(product, codes, kernel)  # and oneDNN's primitive for this shape
-                    if first > HOPELESS * by_kernel[FBGEMM] and not exhaustive:
+                    if _hopeless(first, by_kernel[FBGEMM]) and not exhaustive:
                         by_kernel[kernel] = first
                         break
                     fastest = first
@@ -208,6 +213,22 @@ def _saved(value: object) -> tuple[bool, Choice]:
     return False, None
 
 
+def _known(cache: Path | None, key: str) -> tuple[dict, dict]:
+    """(the whole cache file, its entries for this CPU key); empty where there is none."""
+    saved = _read_cache(cache) if cache is not None else {}
+    return saved, (saved[key] if isinstance(saved.get(key), dict) else {})
+
+
+def _saved_choices(known: dict, by_shape: dict[str, list[Int8Product]]) -> dict[str, Choice]:
+    """The saved choices of the shapes `known` (one CPU key's entries) holds a valid one for."""
+    choice: dict[str, Choice] = {}
+    for shape in by_shape:
+        valid, kept = _saved(known.get(shape, False))
+        if valid:
+            choice[shape] = kept
+    return choice
+
+
 def _size(product: Int8Product) -> int:
     return product.shape[0] * product.shape[1]
 
@@ -215,7 +236,7 @@ def _size(product: Int8Product) -> int:
 def _fallback_loop(timings: Timings, kernel: str) -> bool:
     """Whether `kernel` took HOPELESS times fbgemm's time at the widest count it was timed at."""
     timed = [rows for rows in timings if kernel in timings[rows]]
-    return bool(timed) and timings[max(timed)][kernel] > HOPELESS * timings[max(timed)][FBGEMM]
+    return bool(timed) and _hopeless(timings[max(timed)][kernel], timings[max(timed)][FBGEMM])
 
 
 MeasureFn = Callable[[Int8Product, Iterable[str]], Timings]  # (product, wide kernels) → timings
@@ -234,18 +255,18 @@ def _measured_choices(by_shape: dict[str, list[Int8Product]], cache: Path | None
     figures would be kept for good. The second re-reads what the first saved.
     """
     key = cpu_key()
+    choice = _saved_choices(_known(cache, key)[1], by_shape)
+    if len(choice) == len(by_shape):  # the usual start: nothing to measure, no lock to wait for
+        return choice
     lock = nullcontext() if cache is None else file_lock(cache.with_name(f".{cache.name}.lock"))
     with lock:
-        saved = _read_cache(cache) if cache is not None else {}
-        known = saved.get(key, {}) if isinstance(saved.get(key), dict) else {}
-        choice: dict[str, Choice] = {}
+        saved, known = _known(cache, key)
+        choice = _saved_choices(known, by_shape)  # with what another engine saved meanwhile
         kernels = list(wide_kernels())
         # smallest shape first: a kernel that is a fallback loop on this CPU is found there, cheaply,
         # and not timed on the others (on the AVX2 EPYC _int_mm's one call on the vocabulary took 20 s)
         for shape, group in sorted(by_shape.items(), key=lambda item: _size(item[1][0])):
-            valid, kept = _saved(known.get(shape, False))
-            if valid:
-                choice[shape] = kept
+            if shape in choice:
                 continue
             timings = measure_fn(group[0], kernels)
             kernels = [kernel for kernel in kernels if not _fallback_loop(timings, kernel)]

@@ -261,6 +261,23 @@ def test_choice_is_measured_once_per_cpu_and_shape_and_kept(tmp_path, monkeypatc
     assert choose_kernels(again, cache, measure_fn=fake_measure) == choice and calls == []
 
 
+def test_a_start_that_finds_every_choice_saved_does_not_wait_on_a_measuring_engine(tmp_path, monkeypatch):
+    import threading
+
+    from specdec.runtime.file_lock import file_lock
+
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    cache = tmp_path / "int8-kernels.json"
+    choice = choose_kernels(_model(), cache, measure_fn=lambda product, kernels: _timings((16, 1.0, 2.0)))
+    results = {}
+    with file_lock(cache.with_name(f".{cache.name}.lock")):  # another engine measuring its shapes
+        start = threading.Thread(target=lambda: results.setdefault("choice", choose_kernels(
+            _model(), cache, measure_fn=lambda product, kernels: pytest.fail("measured again"))))
+        start.start()
+        start.join(30)
+        assert not start.is_alive() and results["choice"] == choice
+
+
 def test_a_fallback_loop_found_on_the_smallest_shape_is_not_timed_on_the_others(tmp_path, monkeypatch):
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     asked = []
