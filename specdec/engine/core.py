@@ -1,12 +1,18 @@
 """What both engines are made of: a loaded model, the batcher that runs every session's passes, the
 sessions' caches (growing buffers, or slots of a CUDA pool), the prefix cache and the session store.
-The drafter and the verifier add their calls on top (specdec.engine.drafter, .verifier)."""
+The drafter and the verifier add their calls on top (specdec.engine.drafter, .verifier).
+
+Every call runs in torch's inference mode, as the passes do (specdec.runtime.batching): torch then
+skips its autograd and view-tracking dispatch on each op of the call's own work (warping rows, the
+verification rule, the cache's bookkeeping)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+import torch
 
 from specdec.engine.api import ModelInfo
 from specdec.engine.sessions import SessionConfig, SessionStore
@@ -51,6 +57,7 @@ class EngineCore(Generic[S]):
     def info(self) -> ModelInfo:
         return self.loaded.info
 
+    @torch.inference_mode()
     def release(self, session_id: str) -> bool:
         return self.sessions.release(session_id, None if self.prefix_cache is None else _store_tail)
 

@@ -93,6 +93,7 @@ class DrafterEngine(EngineCore[DrafterSession]):
         self._rows_ids = itertools.count(1)
 
     # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def draft(self, request: DraftRequest) -> DraftResult:
         shape = _check_request(request)
         vocab = self.loaded.info.vocab_size
@@ -152,6 +153,7 @@ class DrafterEngine(EngineCore[DrafterSession]):
         result.token_probs = token_probs(tree, result.draft_probs)
         result.rows_id, result.draft_probs = rows_id, None
 
+    @torch.inference_mode()
     def draft_rows(self, request: DraftRowsRequest) -> torch.Tensor:
         """Rows [len(rows), V] of a session's last lean draft (SessionGone once they are gone)."""
         session = self._parked.get(request.session_id)
@@ -166,6 +168,7 @@ class DrafterEngine(EngineCore[DrafterSession]):
         return probs[list(request.rows)].to("cpu")  # rows drafted on a GPU stay there until asked for
 
     # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def lookahead(self, request: LookaheadRequest) -> LookaheadResult:
         _check_lookahead(request)
         info = self.loaded.info

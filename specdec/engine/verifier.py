@@ -216,6 +216,7 @@ class VerifierEngine(EngineCore[VerifierSession]):
             )
 
     # scoring --------------------------------------------------------------------------------
+    @torch.inference_mode()
     def score(self, request: ScoreRequest) -> None:
         """Run the forward pass for (committed + tree) now; returns when its rows are parked."""
         tree = self._tree(request.tree_tokens, request.tree_parents)
@@ -238,6 +239,7 @@ class VerifierEngine(EngineCore[VerifierSession]):
             score, seconds = self._forward(session, committed, tree)
             session.scored = _Scored(key, score, seconds)
 
+    @torch.inference_mode()
     def verify(self, request: VerifyRequest) -> VerifyOutcome:
         """Score (or take the early Score's rows), verify and commit; see the module docstring.
         request.want_features is accepted but answered with features=None: the scoring pass returns

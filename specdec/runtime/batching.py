@@ -342,7 +342,13 @@ class ForwardBatcher:
         queued = {id(job.kv) for job in self._queue if job.kv is not None}
         return any(id(session) not in queued for passed in self._recent for session in passed)
 
+    @torch.inference_mode()
     def _execute(self, batch: list[_Job]) -> None:
+        # Inference mode, not just no_grad: torch skips its autograd and view-tracking dispatch on
+        # each of a pass's ~3,000 ops. A served 1-row pass of the default target took 90-91 ms
+        # under no_grad against 85-87 ms (2-vCPU AMX Xeon, bench/RESULTS.md, "Inference mode").
+        # The caches' buffers and the logits become inference tensors: whatever changes them in
+        # place runs in inference mode too (specdec.runtime.kv's writes, the engines' calls).
         began = time.perf_counter()
         ragged = False
         if self.threads is not None:

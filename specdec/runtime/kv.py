@@ -98,6 +98,7 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
+@torch.inference_mode()  # the buffers of a pass in inference mode are inference tensors (batching)
 def _append(buffer: torch.Tensor | None, current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """`new` appended to `current` inside `buffer` (a fresh one, with spare room, when it cannot)."""
     length, extra = (current.shape[-2] if current.dim() == new.dim() else 0), new.shape[-2]
@@ -259,6 +260,7 @@ class TreeKVCache:
                 layer.keys = layer.keys[..., :length, :]
                 layer.values = layer.values[..., :length, :]
 
+    @torch.inference_mode()  # as _append: the buffers may be inference tensors
     def _move_into_place(self, start: int, path: list[int]) -> None:
         """Copy the kept block entries to start, start + 1, ... (only the block's tail is touched)."""
         for layer in self._layers():
