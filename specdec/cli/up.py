@@ -133,9 +133,9 @@ def up(
         False,
     verifier_shares_cores: Annotated[bool, typer.Option(
         "--verifier-shares-cores/--verifier-own-cores", help="CPU, pinned: the verifier is pinned to the "
-        "drafter's cores too and runs a pass on all of them whenever no drafter call runs beside it "
-        "(target-only steps, model-free drafts), on its own cores otherwise (serve "
-        "--threads-beside-drafter). --verifier-own-cores keeps it on its own cores always.")] = True,
+        "drafter's cores too and runs every pass on all of them; with --verifier-threads N, a pass "
+        "beside a drafter call runs N threads instead (serve --threads-beside-drafter). "
+        "--verifier-own-cores keeps it on its own cores always.")] = True,
     drafter_device: Annotated[str, typer.Option(
         "--drafter-device", callback=check_device, help="torch device of the draft model: cpu, cuda, cuda:N "
         "or mps.")] = "cpu",
@@ -146,7 +146,8 @@ def up(
         "--drafter-threads", help="torch threads of the drafter. Default: its number of cores.",
         show_default=False)] = None,
     verifier_threads: Annotated[int | None, typer.Option(
-        "--verifier-threads", help="torch threads of the verifier. Default: its number of cores.",
+        "--verifier-threads", help="torch threads of the verifier (with --verifier-shares-cores: of its "
+        "passes beside a drafter call). Default: its number of cores.",
         show_default=False)] = None,
     capacity: EngineCapacity,
     batch: EngineBatching,
@@ -238,8 +239,13 @@ def up(
     beside_drafter = None  # the verifier's threads while a drafter call runs beside its pass
     if (verifier_shares_cores and not no_drafter and d_cores is not None and v_cores is not None
             and drafter_device == verifier_device == "cpu"):
-        beside_drafter = verifier_threads or len(v_cores)
         v_cores = sorted(set(v_cores) | set(d_cores))
+        # By default every pass runs on all the cores, beside a drafter call too. A served verifier
+        # whose passes switched to its own cores' threads beside each drafter call ran every pass
+        # ~25 % slower in most starts, long after the switches (2-vCPU AMX Xeon: default `up` 1.29x
+        # plain HF on grounded prompts against 1.60x without the switch; bench/RESULTS.md,
+        # "Inference mode"). --verifier-threads N asks for the switch, to N threads.
+        beside_drafter = verifier_threads or len(v_cores)
         verifier_threads = len(v_cores)
     # Ports first: a busy port is found in milliseconds, before models are looked up (or converted).
     ports = [("--port", port), ("--verifier-port", verifier_port)]
