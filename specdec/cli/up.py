@@ -239,14 +239,7 @@ def up(
     beside_drafter = None  # the verifier's threads while a drafter call runs beside its pass
     if (verifier_shares_cores and not no_drafter and d_cores is not None and v_cores is not None
             and drafter_device == verifier_device == "cpu"):
-        v_cores = sorted(set(v_cores) | set(d_cores))
-        # By default every pass runs on all the cores, beside a drafter call too. A served verifier
-        # whose passes switched to its own cores' threads beside each drafter call ran every pass
-        # ~25 % slower in most starts, long after the switches (2-vCPU AMX Xeon: default `up` 1.29x
-        # plain HF on grounded prompts against 1.60x without the switch; bench/RESULTS.md,
-        # "Inference mode"). --verifier-threads N asks for the switch, to N threads.
-        beside_drafter = verifier_threads or len(v_cores)
-        verifier_threads = len(v_cores)
+        v_cores, verifier_threads, beside_drafter = shared_core_widths(v_cores, d_cores, verifier_threads)
     # Ports first: a busy port is found in milliseconds, before models are looked up (or converted).
     ports = [("--port", port), ("--verifier-port", verifier_port)]
     if not no_drafter:
@@ -408,6 +401,20 @@ def _check_drafter_options(no_drafter: bool, *, draft: str, draft_source: str | 
     if unused:
         raise fail(f"--drafter none starts no drafter, so {', '.join(unused)} would not be used: drop "
                    f"{'it' if len(unused) == 1 else 'them'}, or start a drafter", 2)
+
+
+def shared_core_widths(verifier_cores: list[int], drafter_cores: list[int], verifier_threads: int | None
+                       ) -> tuple[list[int], int, int]:
+    """A verifier that shares the drafter's cores: its cores, its threads, and its threads for a pass
+    beside a drafter call (serve --threads-beside-drafter).
+
+    By default every pass runs on all the cores, beside a drafter call too. A served verifier whose
+    passes switched to its own cores' threads beside each drafter call ran every pass ~25 % slower
+    in most starts, long after the switches (2-vCPU AMX Xeon: default `up` 1.29x plain HF on
+    grounded prompts against 1.60x without the switch; bench/RESULTS.md, "Inference mode").
+    `verifier_threads` (--verifier-threads N) asks for the switch, to N threads."""
+    cores = sorted(set(verifier_cores) | set(drafter_cores))
+    return cores, len(cores), verifier_threads or len(cores)
 
 
 def _no_drafter_line(cores: list[int] | None, threads: int, draft_source: str | None) -> str:
