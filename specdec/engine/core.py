@@ -2,9 +2,10 @@
 sessions' caches (growing buffers, or slots of a CUDA pool), the prefix cache and the session store.
 The drafter and the verifier add their calls on top (specdec.engine.drafter, .verifier).
 
-Every call runs in torch's inference mode, as the passes do (specdec.runtime.batching): torch then
-skips its autograd and view-tracking dispatch on each op of the call's own work (warping rows, the
-verification rule, the cache's bookkeeping)."""
+The calls that touch tensors (verify, score, draft, draft_rows, lookahead, release) run in torch's
+inference mode, as the passes do (specdec.runtime.batching): torch then skips its autograd and
+view-tracking dispatch on each op of the call's own work (warping rows, the verification rule, the
+cache's bookkeeping)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from pathlib import Path
 
@@ -60,12 +61,35 @@ def plan_of(run: Run, position: int, depth_cap: int, config: OrchestratorConfig 
     return proposer.plan(step)
 
 
-def slowed_model(path: Path, seconds: float) -> LoadedModel:
+class VirtualClock:
+    """A stand-in for time.perf_counter whose time moves only when told (plus 1 µs a reading, so
+    that it never stands still): a timed decision then sees the slowed passes' cost and none of the
+    host's load, and a test of it cannot flake on a busy machine."""
+
+    TICK = 1e-6
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self._lock = threading.Lock()
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += seconds
+
+    def __call__(self) -> float:
+        with self._lock:
+            self._now += self.TICK
+            return self._now
+
+
+def slowed_model(path: Path, seconds: float, clock: VirtualClock | None = None) -> LoadedModel:
     """A fresh one-thread load of `path` that sleeps `seconds` before each forward pass (0: none),
-    to give a tiny model the timing of a big one."""
+    to give a tiny model the timing of a big one; with `clock`, the pass advances that clock by
+    `seconds` instead of sleeping."""
     loaded = load_model(path, threads=1)
     if seconds:
-        loaded.model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+        pause = time.sleep if clock is None else clock.advance
+        loaded.model.register_forward_pre_hook(lambda module, args: pause(seconds))
     return loaded
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass
 
 import pytest
 
 from orchestrator.adaptation import DraftLength, Observation, PairEstimates, SourceEstimates
 from specdec.theory import expected_tokens_per_iteration
-from tests.orchestrator.helpers import slowed_model
+from tests.orchestrator.helpers import VirtualClock, slowed_model
 
 
 @dataclass
@@ -378,15 +379,16 @@ def test_rejects_a_bad_k_max() -> None:
 # through the loop: real tiny engines, one of them slowed down by a sleep per forward pass
 
 
-def _orchestrator(model_dirs, draft: str, draft_sleep: float, target_sleep: float, **config):
+def _orchestrator(model_dirs, draft: str, draft_sleep: float, target_sleep: float,
+                  clock: VirtualClock | None = None, **config):
     from orchestrator.clients.inprocess import InProcessDrafterClient, InProcessVerifierClient
     from orchestrator.config import OrchestratorConfig
     from orchestrator.speculation import Orchestrator
     from specdec.engine.drafter import DrafterEngine
     from specdec.engine.verifier import VerifierEngine
 
-    drafter = DrafterEngine(slowed_model(model_dirs[draft], draft_sleep))
-    verifier = VerifierEngine(slowed_model(model_dirs["target"], target_sleep))
+    drafter = DrafterEngine(slowed_model(model_dirs[draft], draft_sleep, clock))
+    verifier = VerifierEngine(slowed_model(model_dirs["target"], target_sleep, clock))
     return Orchestrator(
         InProcessDrafterClient(drafter),
         InProcessVerifierClient(verifier),
@@ -415,10 +417,13 @@ async def test_a_slow_drafter_turns_requests_target_only(model_dirs) -> None:
     assert all(r.method == "token" and r.k == 3 for r in fixed.iterations)
 
 
-async def test_an_exact_drafter_gets_longer_drafts(model_dirs) -> None:
+async def test_an_exact_drafter_gets_longer_drafts(model_dirs, monkeypatch) -> None:
     """The drafter is the target's own weights (every draft accepted) and costs nothing next to a
-    slow target: the longest allowed draft wins."""
-    orch = _orchestrator(model_dirs, "target", draft_sleep=0.0, target_sleep=0.03, max_k=6)
+    slow target: the longest allowed draft wins. Timed on a virtual clock: with real sleeps a busy
+    host's cost of the tiny passes sometimes outweighed the target's 30 ms."""
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    orch = _orchestrator(model_dirs, "target", draft_sleep=0.0, target_sleep=0.03, clock=clock, max_k=6)
     result = await orch.generate(_request(100))
     ks = [r.k for r in result.iterations]
     assert ks[:4] == [2] * 4 and ks[-1] == 6, ks
