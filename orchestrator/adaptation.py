@@ -34,10 +34,11 @@ request's setting (Observation.setting): W(k) and h(k) count every iteration at 
 not. Iterations that begin with a prefill (a prompt, a drafter's catch-up) teach acceptance but
 not times. A request opens with `opening` iterations (OPENING, PREDRAFTED_OPENING) at the pair's
 best non-zero k (its own acceptance shows only while it drafts) and then decides every
-DECIDE_EVERY iterations. At k = 0 a speculative probe, once the
-pair ran `probe_every` iterations without drafting, notices when speculation pays again; while
-drafting, every `explore_every` iterations one iteration at a neighbour whose measurement faded
-keeps W honest.
+DECIDE_EVERY iterations; not when the model cannot pay at any measured length even if every
+draft were accepted (PairEstimates.cannot_pay): then there is no opening. At k = 0 a
+speculative probe, once the pair ran `probe_every` iterations without drafting, notices when
+speculation pays again; while drafting, every `explore_every` iterations one iteration at a
+neighbour whose measurement faded keeps W honest.
 
 Any k is exact (docs/algorithms.md §8): k is fixed before the iteration drafts, from finished
 iterations only. The choice depends on timings, so seeded requests (which ask for replay) and
@@ -243,6 +244,25 @@ class PairEstimates:
         wall = self._wall.get(k)
         return wall.weight if wall is not None else 0.0
 
+    def measured_lengths(self) -> list[int]:
+        """The draft lengths k ≥ 1 whose W(k) is measured (weight ≥ MIN_WEIGHT), not modelled."""
+        return sorted(k for k, wall in self._wall.items() if k >= 1 and wall.weight >= MIN_WEIGHT)
+
+    def cannot_pay(self) -> bool:
+        """Whether the draft model cannot beat a target-only step even if every draft were accepted:
+        some length ran, and at every measured k ≥ 1 the ceiling (1 + k) / W(k) is at most 1 / W(0).
+
+        This is what a drafter on the verifier's own cores measures: its look-ahead and the verifier's
+        pass slow each other, so an iteration beside one costs 3-4 target-only steps (2-vCPU AMX
+        Xeon: 300-460 against 105-120 ms; bench/RESULTS.md, "The draft model that cannot pay"). A
+        request's opening then only loses, and the timed model of an unmeasured length, fitted to
+        the verifier's passes alone and beside the drafter, is no guide (it made k = 1 look cheap)."""
+        step = self.iteration_seconds(0)
+        measured = self.measured_lengths()
+        if not measured or not math.isfinite(step) or step <= 0:
+            return False
+        return all(self._wall[k].value >= (1 + k) * step for k in measured)
+
     def iteration_seconds(self, k: int) -> float:
         """W(k): measured where k ran recently enough, else the timed model (nan: nothing to go on).
 
@@ -285,7 +305,11 @@ class DraftLength:
         if self.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {self.k_max}")
         self._current = max(0, min(self.start_k, self.k_max))
-        if any(math.isfinite(self.tokens_per_second(k)) for k in range(self.k_max + 1)):
+        if self.pair.cannot_pay():
+            # No acceptance could make the model pay at the measured times: no opening; decide at once.
+            self._current = 0
+            self._since_decision = DECIDE_EVERY
+        elif any(math.isfinite(self.tokens_per_second(k)) for k in range(self.k_max + 1)):
             # The pair has history: open at its best draft length (never 0: a request's own acceptance
             # is only seen while it drafts — code may pay where the pair's prose did not), then
             # decide after `opening` iterations.
@@ -347,8 +371,13 @@ class DraftLength:
         return rate if math.isfinite(rate) else 0.0
 
     def best(self) -> int:
-        """The k with the most tokens/s by the current estimates (the current k while unknown)."""
-        rates = {k: self.tokens_per_second(k) for k in range(self.k_max + 1)}
+        """The k with the most tokens/s by the current estimates (the current k while unknown). Where
+        the model cannot pay at the lengths measured (PairEstimates.cannot_pay), only those and k = 0
+        are candidates: an unmeasured length's timed model is then no guide."""
+        lengths = range(self.k_max + 1)
+        if self.pair.cannot_pay():
+            lengths = [0, *(k for k in self.pair.measured_lengths() if k <= self.k_max)]
+        rates = {k: self.tokens_per_second(k) for k in lengths}
         known = {k: r for k, r in rates.items() if math.isfinite(r)}
         if not known:
             return self._current
