@@ -344,6 +344,8 @@ class HfServeConnection:
         self.body = {
             "max_tokens": sampling.max_new_tokens,
             "stream": True,
+            # OpenAI's way to ask for the usage chunk; transformers 5.25 sends it only when asked.
+            "stream_options": {"include_usage": True},
             "generation_config": json.dumps(hf_generation_config(sampling)),
         }
 
