@@ -9,9 +9,7 @@ how many of those tokens one target pass confirms. No RandomSource, no draft dis
 
 from __future__ import annotations
 
-import torch
-
-from specdec.races import race, race_scores, sole_support
+from specdec.races import race_winner_at, sole_support
 from specdec.randomness import RandomSource
 from specdec.trees import DraftTree
 from specdec.verification.base import MethodParams, Rows, VerificationError, VerifyResult, descend
@@ -28,15 +26,13 @@ def verify_ersd(
         raise VerificationError(f"position must be >= 0, got {params.position}")
 
     def winner(node: int, depth: int) -> int:
-        # argmin e/D does not change when D is scaled, so the raw row is used as sent (race_scores
-        # reads it in float64 on the race's device, the CPU) and no normalisation pass is needed.
+        # argmin e/D does not change when D is scaled, so the raw row is used as sent (read in
+        # float64 on the race's device, the CPU) and no normalisation pass is needed.
         row = target.raw[node + 1]
         token = sole_support(row)
         if token is None:
-            e = race(params.seed, params.position + depth, target.vocab)
-            scores = race_scores(e, row)
-            token = int(torch.argmin(scores).item())
-            if not bool(torch.isfinite(scores[token])):
+            token = race_winner_at(params.seed, params.position + depth, row)
+            if token is None:
                 raise VerificationError(f"target row {node + 1} has no positive mass")
         return token
 

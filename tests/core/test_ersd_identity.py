@@ -14,7 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.drafting import draft_tree
-from specdec.races import race, race_winner
+from specdec.races import race, race_winner, race_winner_at
 from specdec.trees import optimal_tree_shape
 from specdec.verification import ersd as ersd_module
 from specdec.verification.base import MethodParams
@@ -118,7 +118,10 @@ def test_drafter_equal_to_target_accepts_every_sequence_draft() -> None:
 
 def test_identity_catches_a_race_keyed_on_the_wrong_position(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keying every depth's race on the iteration's first position breaks the identity."""
-    monkeypatch.setattr(ersd_module, "race", lambda seed, position, vocab: race(seed, 0, vocab))
+    def keyed_on_zero(seed: int, position: int, dist):
+        return race_winner_at(seed, 0, dist)
+
+    monkeypatch.setattr(ersd_module, "race_winner_at", keyed_on_zero)
     target, draft, _, _ = random_case(0)
     mismatches = 0
     for seed in range(20):

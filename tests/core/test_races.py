@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from specdec.races import race, race_arrivals, race_scores, race_winner, sole_support
+from specdec.races import _exponentials as races_exponentials
+from specdec.races import _raw as races_raw
+from specdec.races import race, race_arrivals, race_scores, race_winner, race_winner_at, sole_support
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,3 +157,76 @@ def test_sole_support_names_the_token_of_a_greedy_row_and_agrees_with_the_race()
     assert sole_support(torch.tensor([0.0, 0.5, 0.5])) is None
     assert sole_support(torch.zeros(4)) is None  # no mass: the race reports it
     assert sole_support(torch.tensor([0.0, 1e-310, 0.0], dtype=torch.float64)) is None  # e / D may overflow
+
+
+def _reference_winner(seed: int, position: int, dist: torch.Tensor) -> int | None:
+    """The winner as ERSD picked it before race_winner_at: every token scored in torch."""
+    scores = race_scores(race(seed, position, dist.shape[-1]), dist)
+    token = int(torch.argmin(scores).item())
+    return token if bool(torch.isfinite(scores[token])) else None
+
+
+def _lm_like(rng: np.random.Generator, vocab: int, spread: float, zeros: float = 0.0) -> torch.Tensor:
+    """A softmax of Gumbel-ish logits: a few likely tokens and a long tail (spread: the logits' scale),
+    some entries set to 0 (top-k / top-p) and the rest in float32, as warped target rows are."""
+    logits = rng.standard_normal(vocab) * spread
+    probs = np.exp(logits - logits.max())
+    if zeros:
+        probs[rng.random(vocab) < zeros] = 0.0
+    probs /= probs.sum()
+    return torch.from_numpy(probs.astype(np.float32))
+
+
+@pytest.mark.parametrize("spread", [0.5, 2.0, 4.0, 8.0])
+@pytest.mark.parametrize("zeros", [0.0, 0.5])
+def test_race_winner_at_is_the_winner_of_the_whole_race(spread: float, zeros: float) -> None:
+    """Peaked rows (the pruned path), flat ones (every token scored), rows with zeros: the same token
+    as scoring every token, for 150 (seed, position) pairs each at the default vocabulary's size."""
+    rng = np.random.default_rng(int(spread * 10 + zeros * 100))
+    for i in range(150):
+        dist = _lm_like(rng, 151_936 if i % 10 == 0 else 5_000, spread, zeros)
+        seed, position = int(rng.integers(0, 2**62)), int(rng.integers(0, 4096))
+        assert race_winner_at(seed, position, dist) == _reference_winner(seed, position, dist)
+
+
+def test_race_winner_at_scores_few_tokens_on_a_peaked_row(monkeypatch) -> None:
+    """On a peaked row it never builds the whole race (race() is not called) yet names its winner;
+    a row without positive mass has none."""
+    rng = np.random.default_rng(3)
+    dists = [_lm_like(rng, 151_936, 6.0) for _ in range(20)]
+    expected = [_reference_winner(7, 100 + i, d) for i, d in enumerate(dists)]
+    import specdec.races as races
+
+    monkeypatch.setattr(races, "race", lambda *args: pytest.fail("the whole race was built"))
+    assert [race_winner_at(7, 100 + i, d) for i, d in enumerate(dists)] == expected
+    assert race_winner_at(7, 0, torch.zeros(50)) is None
+
+
+def test_a_light_token_at_the_bound_is_kept() -> None:
+    """The bound's edge: a light token (D = HEAVY) against one heavy token, their scores 1e-12 apart
+    either way, which puts the light token's uniform within a few 2**-53 steps of the bound. Both
+    answers match the whole race (the negative case: a bound a million steps too high drops the
+    light winner; checked by hand)."""
+    from specdec.races import HEAVY
+
+    vocab = 4096
+    for seed, position in ((11, 5), (12, 9), (13, 700)):
+        e = race(seed, position, vocab).numpy()
+        light = int(np.argmin(e))
+        heavy = int(np.argmax(e))
+        for nudge, winner in ((1.0 - 1e-12, light), (1.0 + 1e-12, heavy)):
+            dist = torch.zeros(vocab, dtype=torch.float64)
+            dist[light] = HEAVY
+            dist[heavy] = e[heavy] * HEAVY / e[light] * nudge
+            assert dist[heavy] > HEAVY
+            assert race_winner_at(seed, position, dist) == _reference_winner(seed, position, dist) == winner
+
+
+def test_the_exponentials_of_a_subset_are_those_of_the_whole_race() -> None:
+    """race_winner_at scores a subset of tokens with the same numpy arithmetic as `race`; on this
+    machine the values are bitwise the ones of the whole vector (numpy's log takes one path)."""
+    rng = np.random.default_rng(5)
+    for position in range(20):
+        whole = race(99, position, 151_936).numpy()
+        index = np.sort(rng.choice(151_936, size=int(rng.integers(1, 2000)), replace=False))
+        assert np.array_equal(races_exponentials(races_raw(99, position, 151_936)[index]), whole[index])
