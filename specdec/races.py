@@ -76,25 +76,21 @@ def race_winner_at(seed: int, position: int, dist: torch.Tensor) -> int | None:
     probs = dist.detach().to("cpu", torch.float64).numpy()
     vocab = probs.shape[-1]
     shifted = _raw(seed, position, vocab)
+    candidates = None  # every token with D > 0, unless the heavy ones bound the rest
     heavy = np.flatnonzero(probs > HEAVY)
     if heavy.size:
         best_heavy = float(np.min(_exponentials(shifted[heavy]) / probs[heavy]))
         bound = int(math.floor(math.exp(-HEAVY * best_heavy) * 9007199254740992.0)) - 1 - _SLACK
-        light = np.flatnonzero(shifted >= np.uint64(max(bound, 0)))
-        candidates = np.union1d(heavy, light)
-        if candidates.size <= _CANDIDATE_SHARE * vocab:
-            candidates = candidates[probs[candidates] > 0]
-            return int(candidates[_first_min(_exponentials(shifted[candidates]), probs[candidates])])
-    positive = probs > 0
-    if not positive.any():
+        pruned = np.union1d(heavy, np.flatnonzero(shifted >= np.uint64(max(bound, 0))))
+        if pruned.size <= _CANDIDATE_SHARE * vocab:
+            candidates = pruned[probs[pruned] > 0]
+    if candidates is None:
+        candidates = np.flatnonzero(probs > 0)
+    if not candidates.size:
         return None
-    candidates = np.flatnonzero(positive)
-    return int(candidates[_first_min(_exponentials(shifted[candidates]), probs[candidates])])
-
-
-def _first_min(e: np.ndarray, probs: np.ndarray) -> int:
-    """The index of the first smallest e / max(D, tiny) (race_scores' arithmetic)."""
-    return int(np.argmin(e / np.maximum(probs, np.finfo(np.float64).tiny)))
+    # race_scores' arithmetic, e / max(D, tiny); argmin takes the first (lowest id) minimum.
+    scores = _exponentials(shifted[candidates]) / np.maximum(probs[candidates], np.finfo(np.float64).tiny)
+    return int(candidates[np.argmin(scores)])
 
 
 # Below this a lone positive mass could make e / D overflow to inf (e <= 37.5), which the full race
