@@ -126,6 +126,10 @@ class OrchestratorConfig(BaseSettings):
     # last token and the chat template's end of the turn) through the target before its session is
     # released, so the next turn's first pass computes only the new message (orchestrator.turn_close).
     close_chat_turns: bool = True
+    # A target-only request (method autoregressive) running alone asks the verifier to score its next
+    # step ahead (VerifyRequest.score_ahead): the next pass starts while the outcome and the next call
+    # travel, instead of after (bench/RESULTS.md, "Scoring ahead").
+    score_ahead: bool = True
     # At k = 0, a speculative iteration after this many target-only steps of the pair (all requests)
     # checks whether drafting pays again (each probe costs the drafter's catch-up over the context).
     adaptive_probe_every: int = Field(64, ge=1)

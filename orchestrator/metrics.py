@@ -82,6 +82,7 @@ Engines (EngineMetrics, a ServiceObserver: the service adapters call it; label r
   specdec_batch_positions_total{role}               of those, the calls' own (tokens − positions = padding)
   specdec_batch_seconds_total{role}                 time those passes ran (/ batches = seconds per pass)
   specdec_score_hits_total, specdec_late_scores_total   verifier: early scores used / too late
+  specdec_ahead_scores_total                        verifier: target-only passes run ahead (score_ahead)
   specdec_draft_rows_requests_total                 verifier: lean verifies that asked for draft rows
   specdec_prefix_cache_lookups_total{role}          prefix-cache lookups (--prefix-cache-mb)
   specdec_prefix_cache_hits_total{role}             of those, lookups that found blocks (/ lookups = hit rate)
@@ -545,6 +546,8 @@ _SESSION_STATS = {
     "released": ("specdec_sessions_released", "Sessions released by their caller.", "counter"),
     "score_hits": ("specdec_score_hits", "Verifies that used the rows of an early Score call.", "counter"),
     "late_scores": ("specdec_late_scores", "Score calls ignored because their verify had run.", "counter"),
+    "ahead_scores": ("specdec_ahead_scores", "Target-only passes run ahead of their Verify (score_ahead; "
+                     "score_hits counts those used).", "counter"),
     "draft_rows_requests": ("specdec_draft_rows_requests", "Lean verifies answered with draft_rows_needed "
                             "(the orchestrator resends them with those rows).", "counter"),
     "prefix_cache_lookups": ("specdec_prefix_cache_lookups", "Prefix-cache lookups (a new context of at "

@@ -393,13 +393,14 @@ class RunSessions:
     async def verify(
         self, committed: list[int], tree: DraftTree, *, method: str, params: MethodParams,
         draft_probs: torch.Tensor | ParkedRows | None, timeline: Timeline, text: TextCursor | None = None,
-        deterministic: bool = False, drafter_idle: bool = False,
+        deterministic: bool = False, drafter_idle: bool = False, score_ahead: bool = False,
     ) -> VerifyOutcome:
         """One target pass over committed + tree and `method`'s rule; the verifier commits the tokens.
 
         `text`: the run's TextCursor, for the emitted tokens' text (orchestrator.output).
         `deterministic`: a model-free draft; no draft rows go (VerifyRequest.deterministic).
         `drafter_idle`: no drafter call runs beside this pass (VerifyRequest.drafter_idle).
+        `score_ahead`: the next call is this run's target-only step (VerifyRequest.score_ahead).
         Lean (docs/algorithms.md §12): resent with the rows the verifier names until it decides.
         Every retry must add rows of the [n + 1, V] layout, so there are at most n + 1 of them.
         The outcome's forward and verification seconds are those of all rounds.
@@ -430,7 +431,7 @@ class RunSessions:
                 session_id=run.session_id, base_len=base, append=append, tree_tokens=list(tree.tokens),
                 tree_parents=list(tree.parents), method=method, params=params, sampling=run.settings.sampling,
                 text=text, deterministic=deterministic, drafter_idle=drafter_idle,
-                cache_partition=run.settings.cache_partition,
+                cache_partition=run.settings.cache_partition, score_ahead=score_ahead,
             )
             if lean:
                 request.draft_token_probs = probs

@@ -498,6 +498,7 @@ class Orchestrator:
         await self.link.ensure_serving()  # a verifier lost or changed under the run fails it (UNAVAILABLE)
         link = self.link
         step = Step(run, sessions, run.committed, Timeline(probe), link.depth_cap, link.drafter_lost)
+        step.score_ahead = self._scores_ahead(run)
         draft = await self._draft(proposer, step, proposer.plan(step))
         outcome = await proposer.verify(step, draft)
         if not outcome.tokens:
@@ -511,6 +512,19 @@ class Orchestrator:
         proposer.settle(step, draft, outcome, tally.record)
         _take_counts(run.state, tally, step.counts)
         self._report(tally.record, probe, draft.tree.max_depth)
+
+    def _scores_ahead(self, run: Run) -> bool:
+        """Whether this iteration's verify asks the verifier to score the next one ahead
+        (VerifyRequest.score_ahead): the run's method never drafts (every iteration is a target-only step
+        of one token), a next iteration is sure to follow (two tokens left, and room for them in the
+        context window; a stop token may still end the run, and then one pass is lost), and no other
+        request runs (beside others the verifier's passes are batched and its idle time is theirs)."""
+        if not self.config.score_ahead or run.settings.spec.speculative or self.admission.active > 1:
+            return False
+        after = len(run.settings.prompt_ids) + len(run.state.generated) + 2
+        max_context = self.link.max_context()
+        return (run.settings.max_new_tokens - len(run.state.generated) >= 2
+                and (not max_context or after <= max_context))
 
     async def _draft(self, proposer: Proposer, step: Step, plan: Plan | None) -> Draft:
         """The plan's draft; a target-only step when the plan has none, or when the drafter is away

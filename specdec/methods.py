@@ -76,6 +76,11 @@ TARGET_ONLY_VERIFICATION = "ersd"
 AUTOREGRESSIVE = "autoregressive"  # the target-only method (what an IterationRecord of such a step names)
 # The exact rule for a model-free tree or sequence under token, block and gsd-tree (glossary).
 DRAW_AND_DESCEND = "specdec.verification.deterministic:verify_deterministic"
+ERSD_RULE = "specdec.verification.ersd:verify_ersd"
+# Rules that walk the tree from the root drawing one token per row from the target alone
+# (verification.base.descend): on greedy rows each draw is the row's argmax, so they emit the greedy
+# descent (verification.base.greedy_descent).
+DESCEND_RULES = frozenset({DRAW_AND_DESCEND, ERSD_RULE})
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,11 @@ class Method:
                 f"{', '.join(DETERMINISTIC_METHOD_NAMES)}"
             )
         return _resolve(self.deterministic_rule)
+
+    def descends(self, deterministic: bool) -> bool:
+        """Whether the rule deciding a draft (a model-free one when `deterministic`) is a descend walk
+        over the target's rows alone (DESCEND_RULES)."""
+        return (self.deterministic_rule if deterministic else self.rule) in DESCEND_RULES
 
     @property
     def takes_a(self) -> bool:
@@ -209,13 +219,13 @@ METHODS: dict[str, Method] = {
             name="ersd",
             summary="exponential races keyed on (seed, position): output is target race sampling, "
             "no draft rows on the wire; sequence or tree",
-            rule="specdec.verification.ersd:verify_ersd",
+            rule=ERSD_RULE,
             draft_strategy="race",
             draft_shapes=frozenset({"sequence", "tree"}),
             drafting="sequence",
             pipelinable=True,
             adaptive_length=True,
-            deterministic_rule="specdec.verification.ersd:verify_ersd",
+            deterministic_rule=ERSD_RULE,
         ),
         _rejection_method(
             "gsd-tree",

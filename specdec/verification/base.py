@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from specdec.randomness import RandomSource
+from specdec.sampling import row_argmax
 from specdec.trees import DraftTree
 from specdec.verification.errors import VerificationError
 
@@ -176,6 +177,17 @@ def descend(tree: DraftTree, draw: Callable[[int, int], int]) -> VerifyResult:
         accepted.append(match)
         node, depth = match, depth + 1
     return VerifyResult(tokens, accepted, flags)
+
+
+def greedy_descent(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+    """What a descend rule (ERSD's races, draw-and-descend; specdec.methods.DESCEND_RULES) emits on
+    greedy rows, read from the raw target logits [n + 1, V]: at temperature 0 every warped row is
+    one-hot at its argmax (specdec.sampling.greedy_one_hot), and a draw from a one-hot row is its
+    one token whatever the race or the random source. So the walk reads each row's argmax without
+    building the one-hot rows or scanning them: 0.2 ms instead of 7.8 ms for a 16-node draft on one
+    EPYC thread (docs/algorithms.md §4)."""
+    winners = row_argmax(logits).tolist()
+    return descend(tree, lambda node, _depth: winners[node + 1])
 
 
 class Rows:

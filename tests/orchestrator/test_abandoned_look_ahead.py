@@ -50,11 +50,13 @@ class _Sessions:
 
 
 async def test_a_pass_beside_the_abandoned_call_is_marked_and_sent_at_the_shared_width() -> None:
-    draft = SimpleNamespace(tree=(), method="token", params=None, rows=None, deterministic=False)
+    draft = SimpleNamespace(tree=(), method="token", params=None, rows=None, deterministic=False,
+                            target_only=False)
     for abandoned, own_look_ahead, marked, idle in ((True, False, True, False), (False, False, False, True),
                                                     (True, True, False, False)):
         sessions = _Sessions(abandoned)
         step = SimpleNamespace(sessions=sessions, committed=[1, 2], timeline=None, beside_abandoned=None,
+                               score_ahead=False,
                                run=SimpleNamespace(state=SimpleNamespace(text_cursor=None)))
         assert await verify_draft(step, draft, beside_drafter=own_look_ahead) == "outcome"  # type: ignore[arg-type]
         assert step.beside_abandoned is marked and sessions.sent_idle is idle

@@ -32,7 +32,7 @@ class ScoreResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values", "text", "deterministic", "drafter_idle", "cache_partition", "want_features")
+    __slots__ = ("session_id", "base_len", "append", "tree_tokens", "tree_parents", "method", "params", "sampling", "draft_probs", "draft_token_probs", "draft_row_indices", "draft_row_values", "text", "deterministic", "drafter_idle", "cache_partition", "want_features", "score_ahead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class VerifyRequest(_message.Message):
     DRAFTER_IDLE_FIELD_NUMBER: _ClassVar[int]
     CACHE_PARTITION_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SCORE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +68,8 @@ class VerifyRequest(_message.Message):
     drafter_idle: bool
     cache_partition: str
     want_features: bool
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[_Union[TextCursor, _Mapping]] = ..., deterministic: _Optional[bool] = ..., drafter_idle: _Optional[bool] = ..., cache_partition: _Optional[str] = ..., want_features: _Optional[bool] = ...) -> None: ...
+    score_ahead: bool
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., tree_tokens: _Optional[_Iterable[int]] = ..., tree_parents: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.MethodParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., draft_row_indices: _Optional[_Iterable[int]] = ..., draft_row_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[_Union[TextCursor, _Mapping]] = ..., deterministic: _Optional[bool] = ..., drafter_idle: _Optional[bool] = ..., cache_partition: _Optional[str] = ..., want_features: _Optional[bool] = ..., score_ahead: _Optional[bool] = ...) -> None: ...
 
 class TextCursor(_message.Message):
     __slots__ = ("start", "prefix", "read")
