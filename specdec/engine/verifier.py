@@ -254,11 +254,17 @@ class VerifierEngine(EngineCore[VerifierSession]):
             # The caller now counts `committed` as what this session holds (its mirror moved
             # on), so record it even before the verify that follows.
             session.committed = committed
-            if session.scored is not None and session.scored.key == key:
-                return
-            session.scored = None
-            score, seconds = self._forward(session, committed, tree)
-            session.scored = _Scored(key, score, seconds)
+            self._park(session, committed, tree, key)
+
+    def _park(self, session: VerifierSession, committed: list[int], tree: DraftTree, key: tuple) -> bool:
+        """Run the pass for (committed + tree) and park its rows under `key` for the verify that asks
+        for it, unless they are parked already; True when it ran the pass."""
+        if session.scored is not None and session.scored.key == key:
+            return False
+        session.scored = None
+        score, seconds = self._forward(session, committed, tree)
+        session.scored = _Scored(key, score, seconds)
+        return True
 
     @torch.inference_mode()
     def verify(self, request: VerifyRequest) -> VerifyOutcome:
@@ -389,15 +395,12 @@ class VerifierEngine(EngineCore[VerifierSession]):
                   self._batcher.drafter_idle(drafter_idle)):
                 committed = session.committed
                 key = _key(committed, tree)
-                if (len(committed) != committed_len or session.last_verified == key
-                        or (session.scored is not None and session.scored.key == key)):
+                if len(committed) != committed_len or session.last_verified == key:
                     return
                 check_context(len(committed), self.loaded.info.max_context)
                 session.kv.set_partition(partition)
-                session.scored = None
-                score, seconds = self._forward(session, committed, tree)
-                session.scored = _Scored(key, score, seconds)
-                self.ahead_scores += 1
+                if self._park(session, committed, tree, key):
+                    self.ahead_scores += 1
         except (SessionGone, ContextTooLong):
             return
         except Exception:  # noqa: BLE001 - an optimisation: the next verify runs the pass itself
