@@ -103,6 +103,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.greedy_text import agreement, render_agreement
 from bench.grounded_prompts import AGENT_FAMILIES, WORKLOADS, Item, prompt_ids, render_text, workload_items
 from bench.machine import cpu_model
 from specdec.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
@@ -416,7 +417,7 @@ class Harness:
         else:
             measured = await specdec_run(client, config, ids, args.max_new_tokens, temperature,
                                          self.request_id(config), salt)
-        tokens = measured.pop("token_ids")
+        tokens = measured["token_ids"]  # kept: bench.greedy_text compares the configurations' texts
         return {"round": rnd, "config": config, "temperature": temperature, "item": item.id,
                 "workload": item.workload, "kind": item.kind, "row": row_of(item), "turn": item.turn,
                 "prompt_tokens": len(ids), "tokens": len(tokens), "tok_s": len(tokens) / measured["seconds"],
@@ -424,7 +425,7 @@ class Harness:
 
     def results(self) -> dict[str, Any]:
         return {"summary": summarize(self.details, self.args.configs, self.args.temperatures),
-                "details": self.details}
+                "greedy_text": agreement(self.details, self.args.configs), "details": self.details}
 
 
 def run(args: argparse.Namespace, progress: Say = say) -> dict[str, Any]:
@@ -782,6 +783,7 @@ def render(results: dict[str, Any], meta: dict[str, Any]) -> str:
         + _cache_note(meta) + ".",
     ]
     lines += render_tables(results["summary"])
+    lines += render_agreement(results.get("greedy_text"))
     if results.get("breakdown"):
         lines += render_breakdown(results["breakdown"])
     if results.get("serving"):
@@ -848,8 +850,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-threads", type=int, default=default_threads(),
                    help="torch threads of the in-process HF rows (default: the machine's cores)")
     p.add_argument("--hf-dtype", default=None,
-                   help=f"precision of the HF rows (default: --dtype); {PER_TENSOR}: torch.ao's dynamic "
-                        "int8, what plain HF users run for speed on a CPU")
+                   help=f"precision of the HF rows (default: --dtype, the same model and so the same "
+                        f"greedy text as specdec's); {PER_TENSOR}: torch.ao's dynamic int8, what plain HF "
+                        "users run for speed on a CPU (another text: bench/greedy_text.py)")
     p.add_argument("--trace", action="store_true",
                    help="servers write spans; the report adds a per-iteration breakdown per configuration")
     p.add_argument("--lookup-tokens", type=int, default=10, help="hf-lookup's prompt_lookup_num_tokens")
