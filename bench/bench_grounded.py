@@ -25,15 +25,19 @@ Configurations (--configs picks a subset; they always run in this order):
     target-only   server B, method "autoregressive": a target-only step per token, what plain HF
                   does, through the services (their overhead per token, beside hf's)
 
-Each round has two phases, so the two servers never run at once: phase A starts server A and walks
-every prompt, running hf, hf-lookup, hf-assisted, specdec, lookup, suffix and model on each (for
-each prompt, each temperature, each configuration once, in that order), then stops it; phase B
-starts server B and walks the same prompts with drafter-none and target-only (so their × hf
-compares with the hf run of the same round's phase A, made a phase earlier). A server is started
-only when one of its configurations is selected. Each start is followed by one warm-up request
-per configuration (--warmup-tokens tokens, not counted); the HF rows warm up once, in the first
-round. The servers start with SPECDEC_USE_CALIBRATION=false (no saved calibration: the
-controller learns over a phase, as bench_mixed's does).
+Each round starts the servers its configurations need (both, by default) and walks every prompt
+once: for each prompt, each temperature, each configuration once, in the order above. So every
+ratio to hf compares runs made seconds apart on the same prompt (an idle server's four processes
+took about 1.5 % of one core together, sampled over 8 s windows while the other server ran).
+`--servers-apart` keeps the two servers from ever running at once instead: phase A starts server A
+and walks every prompt with the HF rows and server A's configurations, then stops it; phase B
+starts server B and walks the same prompts with drafter-none and target-only, whose × hf then
+compares with runs made minutes earlier (on a noisy host the drift between phases is as large as
+the differences measured: bench/RESULTS.md, "The same text"). A server is started only when one of
+its configurations is selected. Each start is followed by one warm-up request per configuration
+(--warmup-tokens tokens, not counted); the HF rows warm up once, in the first round. The servers
+start with SPECDEC_USE_CALIBRATION=false (no saved calibration: the controller learns over a round,
+as bench_mixed's does).
 
 Agent loop: a family is one file and one system prompt with four small instructions, sent as four
 consecutive turns; each configuration walks a family's turns in order before the next
@@ -112,6 +116,7 @@ CONFIGS = ("hf", "hf-lookup", "hf-assisted", "specdec", "lookup", "suffix", "mod
            "target-only")
 HF_CONFIGS = ("hf", "hf-lookup", "hf-assisted")
 SERVER_CONFIGS = {"A": ("specdec", "lookup", "suffix", "model"), "B": ("drafter-none", "target-only")}
+CONFIG_SERVER = {config: server for server, configs in SERVER_CONFIGS.items() for config in configs}
 REQUEST_SOURCE = {"specdec": None, "lookup": "lookup", "suffix": "suffix", "model": "model",
                   "drafter-none": None, "target-only": None}  # request's draft_source (None: the server's)
 REQUEST_METHOD = {"target-only": "autoregressive"}  # the request's method (absent: the server's default)
@@ -160,16 +165,21 @@ def units(items: dict[str, list[Item]]) -> list[list[Item]]:
     return out
 
 
-def phases(configs: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """(server, configurations) per phase in run order: A (with the HF rows), then B; server "" runs
-    no server (HF rows only)."""
-    out = []
-    first = [c for c in CONFIGS if c in configs and (c in HF_CONFIGS or c in SERVER_CONFIGS["A"])]
+def phases(configs: Sequence[str], apart: bool = False) -> list[tuple[tuple[str, ...], list[str]]]:
+    """(servers to start, configurations) per phase of a round, in run order. Together (default): one
+    phase with every server the configurations need; apart: server A's (with the HF rows), then B's,
+    so two servers never run at once; no servers: the HF rows only."""
+    ordered = [c for c in CONFIGS if c in configs]
+    if not apart:
+        servers = tuple(s for s in SERVER_CONFIGS if any(CONFIG_SERVER.get(c) == s for c in ordered))
+        return [(servers, ordered)] if ordered else []
+    out: list[tuple[tuple[str, ...], list[str]]] = []
+    first = [c for c in ordered if CONFIG_SERVER.get(c) != "B"]
     if first:
-        out.append(("A" if any(c in SERVER_CONFIGS["A"] for c in first) else "", first))
-    second = [c for c in CONFIGS if c in configs and c in SERVER_CONFIGS["B"]]
+        out.append((("A",) if any(CONFIG_SERVER.get(c) == "A" for c in first) else (), first))
+    second = [c for c in ordered if CONFIG_SERVER.get(c) == "B"]
     if second:
-        out.append(("B", second))
+        out.append((("B",), second))
     return out
 
 
@@ -376,24 +386,27 @@ class Harness:
         return hf_run(self.target, self.draft, config, ids, max_new_tokens, temperature, seed,
                       self.args.lookup_tokens)
 
-    async def phase(self, rnd: int, configs: list[str], address: str | None) -> None:
-        """One phase of a round: warm-up, then every unit × temperature × configuration."""
+    async def phase(self, rnd: int, configs: list[str], addresses: dict[str, str]) -> None:
+        """One phase of a round: warm-up, then every unit × temperature × configuration, each
+        configuration's requests to its server's orchestrator (`addresses`: server → address)."""
         from specdec.client import AsyncClient
 
         args = self.args
-        client = AsyncClient(address, timeout_s=args.request_timeout) if address else None
+        clients = {server: AsyncClient(address, timeout_s=args.request_timeout)
+                   for server, address in addresses.items()}
         try:
             first = self.ids[self.walk[0][0].id]
             for config in configs:  # warm-up, not counted
                 if config not in HF_CONFIGS:
-                    await specdec_run(client, config, first, args.warmup_tokens, args.temperatures[0],
-                                      self.request_id("warmup"))
+                    await specdec_run(clients[CONFIG_SERVER[config]], config, first, args.warmup_tokens,
+                                      args.temperatures[0], self.request_id("warmup"))
                 elif not self.hf_warm:
                     self.hf(config, first, args.warmup_tokens, args.temperatures[0], 0)
             self.hf_warm = self.hf_warm or any(c in HF_CONFIGS for c in configs)
             for unit in self.walk:
                 for temperature in args.temperatures:
                     for config in configs:
+                        client = clients.get(CONFIG_SERVER.get(config, ""))
                         if config in CACHE_CONFIGS and self.cache_requests is not None:
                             await flush_cache(client, self.cache_requests, self.request_id("flush"))
                         # One prefix-cache partition per pass over a unit: an agent family's later turns
@@ -404,7 +417,7 @@ class Harness:
                             self.details.append(row)
                             self.progress(brief(row))
         finally:
-            if client is not None:
+            for client in clients.values():
                 await client.close()
 
     async def one(self, client, config: str, item: Item, temperature: float, rnd: int,
@@ -429,19 +442,20 @@ class Harness:
 
 
 def run(args: argparse.Namespace, progress: Say = say) -> dict[str, Any]:
-    """Every round's phases (servers started and stopped around them), then the serving level."""
+    """Every round's phases (their servers started and stopped around them), then the serving level."""
     harness = Harness(args, progress)
     progress(harness.describe())
     for rnd in range(args.rounds):
-        for server, configs in phases(args.configs):
-            spec = None
-            if server:
-                spec = start_server(server, f"{server}-r{rnd}", args, harness.cache_requests, progress)
+        for servers, configs in phases(args.configs, getattr(args, "servers_apart", False)):
+            specs = {}
             try:
-                address = spec.info["orchestrator"] if spec is not None else None
-                asyncio.run(harness.phase(rnd, configs, address))
+                for server in servers:
+                    specs[server] = start_server(server, f"{server}-r{rnd}", args, harness.cache_requests,
+                                                 progress)
+                asyncio.run(harness.phase(rnd, configs, {s: spec.info["orchestrator"]
+                                                         for s, spec in specs.items()}))
             finally:
-                if spec is not None:
+                for spec in specs.values():
                     progress(f"[{spec.name}] stopping")
                     spec.stop()
             (args.out / "results.json").write_text(json.dumps(harness.results(), indent=1))  # partial results
@@ -795,7 +809,10 @@ def render(results: dict[str, Any], meta: dict[str, Any]) -> str:
         "instructions as consecutive turns: turn 1 cold, turns ≥ 2 after the family's earlier turns), "
         "open (HumanEval, MT-bench, prose); below them the same per kind. specdec, lookup, suffix, "
         "model: one `specdec up` with the draft model (requests naming draft_source; specdec names "
-        "none); drafter-none: `specdec up --drafter none`, in its own phase of each round.",
+        "none); drafter-none and target-only: `specdec up --drafter none`, "
+        + ("in a phase of its own after the first server's in each round (--servers-apart)."
+           if meta.get("servers_apart") else "up beside the first one: every configuration runs on "
+           "a prompt before the next prompt starts."),
         "",
     ]
     return "\n".join(lines)
@@ -862,6 +879,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-flush", action=argparse.BooleanOptionalAction, default=True,
                    help="evict the suffix cache before each run that reads it (see above; default on)")
     p.add_argument("--extra-up-args", default="", help="extra `specdec up` flags for both servers")
+    p.add_argument("--servers-apart", action="store_true",
+                   help="never run the two servers at once: server B's configurations in a phase of their "
+                        "own after A's (their × hf then compares runs minutes apart; see above)")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
     p.add_argument("--serving-clients", type=int, default=0,
                    help="also run this many concurrent clients on the grounded prompts (0: no serving level)")
@@ -909,6 +929,7 @@ def main(argv: list[str] | None = None) -> int:
         "hf_dtype": args.hf_dtype or args.dtype,
         "lookup_tokens": args.lookup_tokens,
         "cache_flush": args.cache_flush,
+        "servers_apart": args.servers_apart,
         "cache_requests": CACHE_REQUESTS,
     }
     results = run(args)

@@ -43,9 +43,19 @@ def shorten_gil_switch() -> None:
     sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
 
 
+def _set_own_threads(threads: int) -> None:
+    """This thread's torch thread count, for good. torch starts each thread's OpenMP count lazily, at
+    its first parallel op, from the process-wide count *last set by any thread*; a count set before
+    that start is overwritten then. So start it first, then set: otherwise a pool thread set to one
+    thread becomes a second team of two once a compute thread sets two meanwhile, and a compute
+    thread whose first op follows a pool's start runs on one core (tests/runtime/test_compute_thread.py)."""
+    torch.get_num_threads()  # torch's per-thread lazy start, now, before the count below
+    torch.set_num_threads(threads)
+
+
 def serial_torch() -> None:
     """Initializer of a pool whose threads touch torch but must not start an OpenMP team."""
-    torch.set_num_threads(1)
+    _set_own_threads(1)
 
 
 class ComputeThread:
@@ -61,7 +71,7 @@ class ComputeThread:
 
     def _start(self) -> None:
         self._ident = threading.get_ident()
-        torch.set_num_threads(self.threads or torch.get_num_threads())
+        _set_own_threads(self.threads or torch.get_num_threads())
 
     @property
     def on_it(self) -> bool:

@@ -389,11 +389,11 @@ class TreeKVCache:
         tokens = [int(t) for t in tokens]
         begin = 0
         while begin < len(tokens):
-            size = self._chunk_tokens(whole)
+            size = self.chunk_tokens(whole)
             self._prefill_chunk(tokens[begin:begin + size], device)
             begin += size
 
-    def _chunk_tokens(self, whole: int) -> int:
+    def chunk_tokens(self, whole: int) -> int:
         """The next prefill chunk's tokens: `whole`, or fewer where the chunk joins other sessions'
         passes and the runner cuts it so that they do not wait long (ForwardBatcher.prefill_chunk_tokens)."""
         if self.runner is None or not getattr(self.runner, "joins_prefill", False):

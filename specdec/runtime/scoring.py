@@ -45,9 +45,13 @@ def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int | None =
 
     The last committed token is always pending so that its logits
     (the distribution of the next token) come out of the next forward pass. When more than
-    `max_pending` tokens are uncached (a new prompt), all but the last are prefilled first with
-    the model's plain causal mask, so no [q, kv] tree mask the size of the prompt is built;
-    in steady state one or a few tokens are pending and everything is one pass.
+    `max_pending` tokens are uncached (a new prompt), all but a tail are prefilled first in chunks
+    with the model's plain causal mask, so no [q, kv] tree mask the size of the prompt is built.
+    The tail (1 to `max_pending` tokens, fewer where the runner cuts prefill chunks beside other
+    sessions) goes with the tree in the next pass: the prompt's last, partial chunk and the draft
+    share one pass, where prefilling all but the last token cost one pass more per new prompt (a
+    whole decode step; rows are bitwise the same either way at int8, docs/algorithms.md §14).
+    In steady state one or a few tokens are pending and everything is one pass.
     """
     if not committed:
         raise ValueError("the committed sequence must hold at least one token")
@@ -56,10 +60,11 @@ def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int | None =
     restored = kv.restore_prefix(committed[:-1])
     reused = kv.prefix_len
     pending = list(committed[reused:])
-    limit = max_pending if max_pending is not None else kv.pending_limit(MAX_PENDING)
-    if len(pending) > max(1, limit):
-        kv.prefill(pending[:-1])
-        pending = pending[-1:]
+    limit = max(1, max_pending if max_pending is not None else kv.pending_limit(MAX_PENDING))
+    if len(pending) > limit:
+        tail = (len(pending) - 1) % kv.chunk_tokens(limit) + 1
+        kv.prefill(pending[:-tail])
+        pending = pending[-tail:]
     return Prepared(reused, pending, restored)
 
 

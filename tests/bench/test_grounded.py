@@ -158,14 +158,25 @@ def test_agent_families_are_one_unit_and_other_prompts_one_each() -> None:
     assert bg.generations(args, items) == 2 * 2 * 9 * 22
 
 
-def test_phases_keep_the_two_servers_apart() -> None:
-    assert bg.phases(list(bg.CONFIGS)) == [
-        ("A", ["hf", "hf-lookup", "hf-assisted", "specdec", "lookup", "suffix", "model"]),
-        ("B", ["drafter-none", "target-only"]),
+def test_a_round_runs_every_configuration_on_a_prompt_back_to_back() -> None:
+    assert bg.phases(list(bg.CONFIGS)) == [(("A", "B"), list(bg.CONFIGS))]
+    assert bg.phases(["target-only", "hf"]) == [(("B",), ["hf", "target-only"])]
+    assert bg.phases(["hf", "hf-lookup"]) == [((), ["hf", "hf-lookup"])]
+    assert bg.phases(["suffix", "drafter-none"]) == [(("A", "B"), ["suffix", "drafter-none"])]
+    assert bg.phases([]) == []
+    assert {bg.CONFIG_SERVER[c] for c in bg.CONFIGS if c not in bg.HF_CONFIGS} == {"A", "B"}
+
+
+def test_servers_apart_keeps_the_two_servers_apart() -> None:
+    assert bg.phases(list(bg.CONFIGS), apart=True) == [
+        (("A",), ["hf", "hf-lookup", "hf-assisted", "specdec", "lookup", "suffix", "model"]),
+        (("B",), ["drafter-none", "target-only"]),
     ]
-    assert bg.phases(["hf", "drafter-none"]) == [("", ["hf"]), ("B", ["drafter-none"])]
-    assert bg.phases(["target-only", "hf"]) == [("", ["hf"]), ("B", ["target-only"])]
-    assert bg.phases(["suffix"]) == [("A", ["suffix"])]
+    assert bg.phases(["hf", "drafter-none"], apart=True) == [((), ["hf"]), (("B",), ["drafter-none"])]
+    assert bg.phases(["target-only", "hf"], apart=True) == [((), ["hf"]), (("B",), ["target-only"])]
+    assert bg.phases(["suffix"], apart=True) == [(("A",), ["suffix"])]
+    assert bg.parser().parse_args(["--servers-apart"]).servers_apart
+    assert not bg.parser().parse_args([]).servers_apart
     assert bg.up_args("B", bg.parser().parse_args([]))[:2] == ["--drafter", "none"]
     assert "--draft" not in bg.up_args("B", bg.parser().parse_args([]))  # a usage error with none
 

@@ -49,6 +49,33 @@ def test_serial_torch_gives_a_pool_one_torch_thread():
         assert set(pool.map(lambda _: torch.get_num_threads(), range(4))) == {1}
 
 
+def test_the_compute_thread_keeps_its_count_when_another_thread_sets_one_later():
+    # torch starts a thread's count at its first parallel op from the last count any thread set: a
+    # compute thread started (count set) before another thread set 1 ran its passes on one core.
+    before = torch.get_num_threads()
+    compute = ComputeThread(threads=2)
+    try:
+        compute.call(lambda: None)  # started, nothing run yet
+        torch.set_num_threads(1)
+        assert compute.call(torch.get_num_threads) == 2
+    finally:
+        compute.shutdown()
+        torch.set_num_threads(before)
+
+
+def test_a_serial_pool_thread_stays_serial_when_a_count_is_set_after_its_start():
+    # ... and a pool thread set to one, started before a compute thread set two, became a second
+    # OpenMP team of two at its first op.
+    before = torch.get_num_threads()
+    with ThreadPoolExecutor(1, initializer=serial_torch) as pool:
+        try:
+            pool.submit(lambda: None).result()  # started: serial_torch ran, no op yet
+            torch.set_num_threads(2)
+            assert pool.submit(torch.get_num_threads).result() == 1
+        finally:
+            torch.set_num_threads(before)
+
+
 def test_every_pass_runs_on_the_batchers_compute_thread_whoever_leads_it(tiny):
     """Calls from many threads lead passes in turn; each pass runs on the one compute thread."""
     compute = ComputeThread()

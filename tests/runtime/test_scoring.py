@@ -71,7 +71,9 @@ def test_tree_rows_equal_plain_paths_across_iterations(tiny, max_pending):
         if step > 0 and step != 6:
             assert score.reused == len(committed) - 1 and score.pending_len == 1
         if step == 6:  # after the rewind, reuse stops exactly at the fork
-            assert score.reused == fork and score.pending_len == (1 if max_pending == 2 else 4)
+            # 4 uncached: at max_pending 2 all but a tail of (4 - 1) % 2 + 1 = 2 are prefilled first
+            assert score.reused == fork
+            assert score.pending_len == (2 if max_pending == 2 else 4)
         # Accept the path to a random node (or nothing), then one extra token.
         node = rng.randrange(-1, len(tree))
         accepted = tree.path_to(node) if node >= 0 else []
@@ -98,6 +100,34 @@ def test_many_pending_tokens_and_deep_chain(tiny):
     score = score_tree(kv, committed, DraftTree.star([1, 2, 3]))
     assert score.reused == len(committed) - 1
     assert_rows_match(model, committed, DraftTree.star([1, 2, 3]), score.logits)
+
+
+@pytest.mark.parametrize("n", [9, 16, 17, 30])
+def test_a_new_prompt_costs_its_chunks_and_no_pass_more(tiny, n, monkeypatch):
+    """A prompt of n uncached tokens takes ceil(n / chunk) passes in all: all but a tail of
+    (n - 1) % chunk + 1 tokens in prefill chunks, the tail with the tree (prefilling all but the
+    last token took a pass more whenever n - 1 was not a multiple of the chunk), and the rows are
+    the plain paths' rows."""
+    import specdec.runtime.kv as kv_module
+
+    chunk = 8
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK_CPU", chunk)
+    model, vocab = tiny.model, tiny.info.vocab_size
+    rng = random.Random(n)
+    committed = [rng.randrange(vocab) for _ in range(n)]
+    tree = random_tree(rng, 5, vocab)
+    passes = []
+    hook = model.register_forward_hook(lambda *_: passes.append(1))
+    try:
+        kv = TreeKVCache(model)
+        score = score_tree(kv, committed, tree)
+    finally:
+        hook.remove()
+    assert score.pending_len == (n - 1) % chunk + 1 and score.reused == 0
+    assert len(passes) == -(-n // chunk)
+    assert_rows_match(model, committed, tree, score.logits)
+    commit_path(kv, score.pending_len, [])
+    assert kv.prefix == committed
 
 
 def test_a_wrong_mask_is_detected(tiny):
