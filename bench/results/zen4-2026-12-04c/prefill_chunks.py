@@ -10,23 +10,14 @@ import sys
 import time
 
 import torch
+from served_engine import served_engine
 
 import specdec.runtime.kv as kv_module
-from bench.bench_grounded import load_hf_target
-from specdec.models import resolve_model
-from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import ForwardBatcher
-from specdec.runtime.compute_thread import ComputeThread
 
 
 def main() -> None:
     n, rounds, chunks = int(sys.argv[1]), int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")]
-    compute = ComputeThread(threads=2)
-    model = resolve_model("qwen2.5-coder-1.5b")
-    ours = compute.call(lambda: load_hf_target(model, "int8", 2))
-    hf = compute.call(lambda: load_hf_target(model, "int8-per-tensor", 2))
-    torch.set_num_threads(1)
-    batcher = ForwardBatcher(ours.model, BatchConfig(), compute=compute)
+    compute, ours, hf, batcher = served_engine()
     vocab = ours.info.vocab_size
     prompt = [(1000 + (i * 37) % 5000) % vocab for i in range(n)]
     print("chunk at the default:", kv_module.prefill_chunk("cpu", ours.model),

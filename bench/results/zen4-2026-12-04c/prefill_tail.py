@@ -12,13 +12,9 @@ import sys
 import time
 
 import torch
+from served_engine import served_engine
 
 import specdec.runtime.scoring as scoring
-from bench.bench_grounded import load_hf_target
-from specdec.models import resolve_model
-from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import ForwardBatcher
-from specdec.runtime.compute_thread import ComputeThread
 from specdec.runtime.kv import TreeKVCache
 from specdec.trees import DraftTree
 
@@ -41,12 +37,7 @@ def prepare_last(kv, committed, max_pending=None):
 
 def main() -> None:
     lengths, rounds = [int(n) for n in sys.argv[1].split(",")], int(sys.argv[2])
-    compute = ComputeThread(threads=2)
-    model = resolve_model("qwen2.5-coder-1.5b")
-    ours = compute.call(lambda: load_hf_target(model, "int8", 2))
-    hf = compute.call(lambda: load_hf_target(model, "int8-per-tensor", 2))
-    torch.set_num_threads(1)
-    batcher = ForwardBatcher(ours.model, BatchConfig(), compute=compute)
+    compute, ours, hf, batcher = served_engine()
     vocab = ours.info.vocab_size
     chain = DraftTree.sequence([11, 12, 13, 14, 15])
 
