@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from bench.bench_grounded import specdec_run, start_server
+from bench.bench_grounded import parser, specdec_run, start_server
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -48,8 +48,7 @@ async def load(address: str, ids: list[int]) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    args = type("Args", (), {"draft": "qwen2.5-coder-0.5b", "target": "qwen2.5-coder-1.5b",
-                              "dtype": "int8", "extra_up_args": "", "trace": False, "out": out})()
+    args = parser().parse_args(["--out", str(out)])  # the side-by-side's defaults: pair, int8, no trace
     ids = [(1000 + (i * 37) % 5000) for i in range(200)]
     for server in ("B", "A"):
         spec = start_server(server, f"teams-{server}", args, None, print)
