@@ -24,7 +24,6 @@ from typing import Any, Protocol
 
 import torch
 
-from specdec.runtime.cpuinfo import has_amx
 from specdec.runtime.prefix_cache import PrefixLink, block_keys, next_key, root_key
 from specdec.trees import common_prefix, sequence_parents
 
@@ -61,29 +60,24 @@ class ForwardRunner(Protocol):
     def prefill_chunk_tokens(self, kv: TreeKVCache, whole: int) -> int: ...
 
 
-# A prompt is prefilled in passes of at most this many tokens. On the CPU, 128: a pass's
-# temporaries stay in cache ([128, 17920] for the default target's MLP), and a 500-token prompt
-# took 2.70 s against 2.85 s in one pass (2-vCPU EPYC, int8, bench/RESULTS.md); the rows are
-# bitwise those of one pass at int8 (§14). Where the int8 layers run oneDNN's quantised linear on
-# AMX tiles, 512: the wide kernel's calls cost less than the pass's other work, and the same prompt
-# took 1.27 s against 1.51 s at 128 (2-vCPU AMX Xeon, bench/RESULTS.md). Elsewhere 512. Fewer
-# while other sessions decode beside the chunk (ForwardBatcher.prefill_chunk_tokens). Either way a
-# long prompt's attention scores are [heads, chunk, context], not [heads, context, context].
-PREFILL_CHUNK_CPU = 128
-PREFILL_CHUNK_AMX = 512
-PREFILL_CHUNK_OTHER = 512
+# A prompt is prefilled in passes of at most this many tokens: 512 on every device. On the CPU each
+# pass reads every weight once more, so fewer, wider passes are cheaper: on a 2-vCPU Zen 4 EPYC
+# (fbgemm at every width) a 427-token prompt took 2.31 s in 128-token chunks and 2.15 s in one
+# pass (2.12 s: the model's own forward, as plain HF's generate runs it; bench/RESULTS.md "One
+# chunk of 512"); on an AMX Xeon (oneDNN's quantised linear) 1.27 s against 1.51 s at 128. (128
+# was the CPU's chunk while attention ran in float64, whose [heads, chunk, context] scores then
+# cost more than the extra weight reads.) Fewer while other sessions decode beside the chunk
+# (ForwardBatcher.prefill_chunk_tokens, applied to every pending run: scoring.prepare). Either
+# way a long prompt's attention scores are [heads, chunk, context], not [heads, context, context];
+# the rows are bitwise those of one pass at int8 (§14).
+PREFILL_CHUNK = 512
 
 
 def prefill_chunk(device: torch.device | str, model: Any = None) -> int:
     """Tokens per prefill pass; on the CPU at least as many as the int8 model's faster wide kernel
-    needs (specdec.runtime.int8_kernels sets the row count where it takes over, and which it is)."""
-    if torch.device(device).type != "cpu":
-        return PREFILL_CHUNK_OTHER
-    wide = getattr(model, "specdec_int8_wide_rows", None)
-    chunk = PREFILL_CHUNK_CPU
-    if getattr(model, "specdec_int8_wide_kernel", None) == "onednn" and has_amx():
-        chunk = PREFILL_CHUNK_AMX
-    return max(chunk, wide) if isinstance(wide, int) else chunk
+    needs (specdec.runtime.int8_kernels sets the row count where it takes over)."""
+    wide = getattr(model, "specdec_int8_wide_rows", None) if torch.device(device).type == "cpu" else None
+    return max(PREFILL_CHUNK, wide) if isinstance(wide, int) else PREFILL_CHUNK
 
 
 def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:

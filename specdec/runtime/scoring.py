@@ -48,7 +48,9 @@ def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int | None =
     `max_pending` tokens are uncached (a new prompt), all but a tail are prefilled first in chunks
     with the model's plain causal mask, so no [q, kv] tree mask the size of the prompt is built.
     The tail (1 to `max_pending` tokens, fewer where the runner cuts prefill chunks beside other
-    sessions) goes with the tree in the next pass: the prompt's last, partial chunk and the draft
+    sessions; the cut applies to any run of pending tokens, so a short prompt or a chat turn's new
+    tokens do not ride whole in a pass that other sessions' steps wait for) goes with the tree in
+    the next pass: the prompt's last, partial chunk and the draft
     share one pass, where prefilling all but the last token cost one pass more per new prompt (a
     whole decode step; rows are bitwise the same either way at int8, docs/algorithms.md §14).
     In steady state one or a few tokens are pending and everything is one pass.
@@ -60,11 +62,13 @@ def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int | None =
     restored = kv.restore_prefix(committed[:-1])
     reused = kv.prefix_len
     pending = list(committed[reused:])
-    limit = max(1, max_pending if max_pending is not None else kv.pending_limit(MAX_PENDING))
-    if len(pending) > limit:
-        tail = (len(pending) - 1) % kv.chunk_tokens(limit) + 1
-        kv.prefill(pending[:-tail])
-        pending = pending[-tail:]
+    if len(pending) > 1:
+        limit = max(1, max_pending if max_pending is not None else kv.pending_limit(MAX_PENDING))
+        cut = kv.chunk_tokens(limit)  # the limit, or fewer beside other sessions' passes
+        if len(pending) > cut:
+            tail = (len(pending) - 1) % cut + 1
+            kv.prefill(pending[:-tail])
+            pending = pending[-tail:]
     return Prepared(reused, pending, restored)
 
 

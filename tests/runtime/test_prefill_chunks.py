@@ -18,8 +18,7 @@ def _int8_model():
 
 
 def _prefilled(model, tokens, chunk, monkeypatch):
-    monkeypatch.setattr(kv_module, "PREFILL_CHUNK_CPU", chunk)
-    monkeypatch.setattr(kv_module, "PREFILL_CHUNK_AMX", chunk)  # whichever kernel this CPU chose
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK", chunk)
     kv = TreeKVCache(model)
     kv.prefill(tokens)
     return kv
@@ -48,7 +47,7 @@ def test_a_runner_gets_one_pass_per_chunk(monkeypatch):
             passes.append(run)
             run()
 
-    monkeypatch.setattr(kv_module, "PREFILL_CHUNK_CPU", 16)
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK", 16)
     kv = TreeKVCache(model)
     kv.runner = Runner()
     with torch.inference_mode():
@@ -56,24 +55,19 @@ def test_a_runner_gets_one_pass_per_chunk(monkeypatch):
     assert len(passes) == 3 and kv.prefix_len == 40  # 16 + 16 + 8
 
 
-def test_chunk_sizes_by_device_and_the_int8_models_wide_kernel(monkeypatch):
-    assert prefill_chunk("cpu") == kv_module.PREFILL_CHUNK_CPU
-    assert prefill_chunk("cuda") == kv_module.PREFILL_CHUNK_OTHER
+def test_chunk_sizes_by_device_and_the_int8_models_wide_kernel():
+    assert prefill_chunk("cpu") == prefill_chunk("cuda") == kv_module.PREFILL_CHUNK == 512
 
     class Model:
         specdec_int8_wide_rows = None
+        specdec_int8_wide_kernel = None
 
     model = Model()
-    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_CPU
-    model.specdec_int8_wide_rows = 256  # _int_mm takes over from 256 rows: chunks that wide
-    assert prefill_chunk("cpu", model) == 256
-    model.specdec_int8_wide_rows = 16
-    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_CPU
-    model.specdec_int8_wide_kernel = "onednn"  # oneDNN's quantised linear: wide chunks where AMX runs it
-    monkeypatch.setattr(kv_module, "has_amx", lambda: True)
-    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_AMX
-    monkeypatch.setattr(kv_module, "has_amx", lambda: False)
-    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_CPU
+    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK
+    model.specdec_int8_wide_rows = 1024  # a wide kernel that takes over from 1024 rows: chunks that wide
     model.specdec_int8_wide_kernel = "int_mm"
-    monkeypatch.setattr(kv_module, "has_amx", lambda: True)
-    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK_CPU
+    assert prefill_chunk("cpu", model) == 1024
+    assert prefill_chunk("cuda", model) == kv_module.PREFILL_CHUNK  # the CPU's kernels only
+    model.specdec_int8_wide_rows = 16
+    model.specdec_int8_wide_kernel = "onednn"
+    assert prefill_chunk("cpu", model) == kv_module.PREFILL_CHUNK

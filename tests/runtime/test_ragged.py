@@ -21,7 +21,7 @@ from specdec.runtime.batching import MIN_PREFILL_CHUNK, ForwardBatcher, _Job
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import quantize_int8
 from specdec.runtime.ragged import RAGGED_PREFIX, use_ragged_attention
-from specdec.runtime.scoring import commit_path, prepare, tree_block
+from specdec.runtime.scoring import commit_path, prepare, score_tree, tree_block
 from specdec.runtime.tiny import build_tiny_model
 from tests.runtime.test_scoring import random_tree
 
@@ -100,7 +100,7 @@ def test_a_ragged_pass_is_bitwise_each_sessions_own_pass_at_int8(int8_model):
 def test_prefill_chunks_join_other_sessions_passes_and_match_a_prefill_alone(int8_model, monkeypatch):
     """One session prefills a long prompt in chunks while others decode: the chunks ride in the
     decoders' passes (at most one a pass), and the prompt's cache is bitwise a prefill of its own."""
-    monkeypatch.setattr(kv_module, "PREFILL_CHUNK_CPU", 16)
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK", 16)
     model = int8_model
     model.specdec_int8_wide_rows = None
     batcher = ForwardBatcher(model, BatchConfig(window_ms=20))
@@ -265,7 +265,7 @@ def test_a_prompt_beside_a_decoder_goes_in_cut_chunks_and_gets_the_cache_of_whol
     """With a decoder waiting, a 70-token prompt goes in chunks of MIN_PREFILL_CHUNK (a decode pass
     measured as all but free) instead of 64 (the negative control: share 0); at int8 its cache and
     next row are bitwise those of a prefill of its own in whole chunks."""
-    monkeypatch.setattr(kv_module, "PREFILL_CHUNK_CPU", 64)
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK", 64)
     model = int8_model
     monkeypatch.setattr(model, "specdec_int8_wide_rows", None, raising=False)
     batcher = ForwardBatcher(model, BatchConfig(window_ms=0, prefill_chunk_share=share))
@@ -289,6 +289,38 @@ def test_a_prompt_beside_a_decoder_goes_in_cut_chunks_and_gets_the_cache_of_whol
         assert _same(_entries(kv), _entries(own))
         assert torch.equal(kv.extend_chain([5]), own.extend_chain([5]))
     assert decoder.prefix_len == 0  # still alive (and decoding) through the prefill
+
+
+@pytest.mark.parametrize("share, sizes, tail", [(1.0, [16, 16], 8), (0.0, [], 40)])
+def test_a_short_pending_run_beside_a_decoder_is_cut_too(int8_model, monkeypatch, share, sizes, tail):
+    """A pending run shorter than a chunk (a chat turn's new tokens, a short prompt) would ride whole
+    in the verify pass that a decoding session waits for; beside a decoder the runner's cut applies
+    to it as to a long prompt: two prefill chunks of MIN_PREFILL_CHUNK, and the tail (8 tokens) goes
+    with the tree. Share 0 (no cut, the negative control): all 40 with the tree. Either way the
+    rows are bitwise those of a session alone."""
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK", 64)
+    model = int8_model
+    monkeypatch.setattr(model, "specdec_int8_wide_rows", None, raising=False)
+    batcher = ForwardBatcher(model, BatchConfig(window_ms=0, prefill_chunk_share=share))
+    seen: list[int] = []
+    prefill = batcher.prefill
+
+    def recording(kv, plan):
+        seen.append(len(plan.tokens))
+        prefill(kv, plan)
+
+    monkeypatch.setattr(batcher, "prefill", recording)
+    decoder = _decoded_once(batcher, model)
+    batcher._decode_pass_seconds, batcher._prefill_row_seconds = 1e-9, 1e-3
+    committed = [(5 * i + 3) % VOCAB for i in range(40)]
+    tree = random_tree(random.Random(3), 4, VOCAB)
+    with torch.inference_mode():
+        kv = TreeKVCache(model, runner=batcher)
+        score = score_tree(kv, committed, tree)
+        own = score_tree(TreeKVCache(model), committed, tree)
+    assert seen == sizes and score.pending_len == tail and own.pending_len == 40
+    assert torch.equal(score.logits, own.logits)
+    assert decoder.prefix_len == 0  # still alive (and decoding) through it
 
 
 def test_the_prefill_chunk_share_is_checked():

@@ -111,7 +111,7 @@ def test_a_new_prompt_costs_its_chunks_and_no_pass_more(tiny, n, monkeypatch):
     import specdec.runtime.kv as kv_module
 
     chunk = 8
-    monkeypatch.setattr(kv_module, "PREFILL_CHUNK_CPU", chunk)
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK", chunk)
     model, vocab = tiny.model, tiny.info.vocab_size
     rng = random.Random(n)
     committed = [rng.randrange(vocab) for _ in range(n)]
