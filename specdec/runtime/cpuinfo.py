@@ -4,7 +4,6 @@ CPU by these, and benchmark results name the CPU they ran on."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 
@@ -20,8 +19,3 @@ def cpuinfo_field(name: str) -> str | None:
             return value.strip()
     return None
 
-
-@functools.cache
-def has_amx() -> bool:
-    """Whether this CPU has AMX's int8 tiles (the `amx_int8` flag), which oneDNN's int8 kernels use."""
-    return "amx_int8" in (cpuinfo_field("flags") or "").split()
