@@ -89,6 +89,15 @@ class _Job:
     def positions(self) -> int:
         return len(self.plan.tokens) if self.plan is not None else 0
 
+    @property
+    def prompt_rows(self) -> int:
+        """Rows the pass only caches, no logits wanted: a prefill chunk's, and a call's pending
+        committed tokens before its last (a prompt's tail riding with a draft). They are a prompt's
+        rows, not a step's, for the times prefill_chunk_tokens reads."""
+        if self.plan is None:
+            return 0
+        return self.positions if self.prefill else self.plan.rows_from
+
 
 @dataclass(frozen=True)
 class ThreadWidths:
@@ -161,8 +170,9 @@ class ForwardBatcher:
         self._recent: tuple[weakref.WeakSet[TreeKVCache], weakref.WeakSet[TreeKVCache]] = (
             weakref.WeakSet(), weakref.WeakSet())
         self._pass_seconds = 0.0  # a decaying mean of the batched passes' times (the gather window)
-        # For prefill_chunk_tokens: decaying means of a pass without prefill rows and of what a
-        # prompt row adds to a pass (_prompt_row_seconds); and the sessions that decoded in the last
+        # For prefill_chunk_tokens: decaying means of a pass without prompt rows (_Job.prompt_rows:
+        # prefill chunks, a call's pending tokens before its last) and of what a prompt row adds
+        # to a pass (_prompt_row_seconds); and the sessions that decoded in the last
         # two passes that had decode rows (held weakly, as _recent: a released session drops out).
         self._decode_pass_seconds: float | None = None
         self._prefill_row_seconds: float | None = None
@@ -388,7 +398,7 @@ class ForwardBatcher:
         self._pass_seconds = _decayed(self._pass_seconds, seconds)
         positions = [job.positions for job in batch]
         rows = sum(positions) if ragged else len(batch) * max(positions)
-        prompt_rows = sum(job.positions for job in batch if job.prefill)
+        prompt_rows = sum(job.prompt_rows for job in batch)
         if prompt_rows:
             self._prefill_row_seconds = _decayed(self._prefill_row_seconds,
                                                  self._prompt_row_seconds(seconds, rows, prompt_rows))

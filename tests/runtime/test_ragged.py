@@ -236,7 +236,7 @@ def _decoded_once(batcher: ForwardBatcher, model) -> TreeKVCache:
     """A session that has just had a decode pass in `batcher` (it counts as decoding)."""
     kv = TreeKVCache(model, runner=batcher)
     with torch.inference_mode():
-        kv.extend_chain([1, 2, 3])
+        kv.extend_chain([1, 2, 3], rows_from=0)  # every row's logits: a step, no prompt rows
     return kv
 
 
@@ -257,6 +257,26 @@ def test_a_chunk_beside_a_decoding_session_adds_its_share_of_a_decode_pass(int8_
     del decoder
     gc.collect()
     assert batcher.prefill_chunk_tokens(prompt, 256) == 256  # released: no one decodes any more
+
+
+def test_a_prompts_tail_riding_with_a_draft_is_timed_as_prompt_rows(int8_model):
+    """A verify pass that carries a prompt's tail (pending tokens before the last: no logits) is not
+    a decode pass: were it timed as one, the mean decode pass would grow with every new prompt and
+    the cut beside decoders with it (chunks of hundreds of rows, multi-second stalls for the
+    decoders). Its time goes to the prompt rows' mean; a step's pass (every row's logits) moves the
+    decode pass's mean."""
+    batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0))
+    _decoded_once(batcher, int8_model)
+    decode = batcher._decode_pass_seconds
+    assert decode is not None and batcher._prefill_row_seconds is None
+    committed = [(7 * i + 2) % VOCAB for i in range(40)]
+    tree = random_tree(random.Random(5), 3, VOCAB)
+    with torch.inference_mode():
+        score = score_tree(TreeKVCache(int8_model, runner=batcher), committed, tree)
+    assert score.pending_len == 40  # alone: the whole prompt rides with the draft
+    assert batcher._decode_pass_seconds == decode and batcher._prefill_row_seconds is not None
+    _decoded_once(batcher, int8_model)
+    assert batcher._decode_pass_seconds != decode
 
 
 @pytest.mark.parametrize("share, sizes", [(1.0, [16, 16, 16, 16, 6]), (0.0, [64, 6])])
