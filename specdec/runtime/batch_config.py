@@ -12,8 +12,11 @@ DEFAULT_BATCH_WINDOW_MS = 10.0
 # ... or this share of a recent batched pass's time, where that is longer (ForwardBatcher.window_seconds).
 DEFAULT_BATCH_WINDOW_SHARE = 0.1
 # While other sessions decode, a prompt's prefill chunk adds at most this share of a decode pass's time
-# to the pass it joins (ForwardBatcher.prefill_chunk_tokens); 0: whole chunks always.
-DEFAULT_PREFILL_CHUNK_SHARE = 0.7
+# to the pass it joins (ForwardBatcher.prefill_chunk_tokens); 0: whole chunks always. 2 since the
+# decode pass is timed without the prompt tails that ride with drafts: at 1 and 0.7 prompts under
+# load crawled at ~25 rows a pass (8 clients: TTFT p50 19.5 s against 3.2-3.7 s at 2; bench/RESULTS.md,
+# "One chunk of 512").
+DEFAULT_PREFILL_CHUNK_SHARE = 2.0
 MAX_PREFILL_CHUNK_SHARE = 16.0
 # The KV pool of captured passes on CUDA (specdec.runtime.kv_pool): sessions held, entries each.
 DEFAULT_POOL_SLOTS = 8

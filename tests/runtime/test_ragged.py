@@ -348,4 +348,4 @@ def test_the_prefill_chunk_share_is_checked():
         BatchConfig(prefill_chunk_share=-0.5)
     with pytest.raises(ValueError, match="prefill_chunk_share"):
         BatchConfig(prefill_chunk_share=17)
-    assert BatchConfig().prefill_chunk_share == 0.7
+    assert BatchConfig().prefill_chunk_share == 2.0
