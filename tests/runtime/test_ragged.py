@@ -279,14 +279,11 @@ def test_a_prompts_tail_riding_with_a_draft_is_timed_as_prompt_rows(int8_model):
     assert batcher._decode_pass_seconds != decode
 
 
-@pytest.mark.parametrize("share, sizes", [(1.0, [16, 16, 16, 16, 6]), (0.0, [64, 6])])
-def test_a_prompt_beside_a_decoder_goes_in_cut_chunks_and_gets_the_cache_of_whole_ones(
-        int8_model, monkeypatch, share, sizes):
-    """With a decoder waiting, a 70-token prompt goes in chunks of MIN_PREFILL_CHUNK (a decode pass
-    measured as all but free) instead of 64 (the negative control: share 0); at int8 its cache and
-    next row are bitwise those of a prefill of its own in whole chunks."""
+def _beside_a_decoder(model, monkeypatch, share: float):
+    """A batcher with 64-token chunks, a session that has just decoded in it, a decode pass measured
+    as all but free (so the cut is MIN_PREFILL_CHUNK at any share > 0), and the prefill chunks' sizes
+    as they are submitted: (batcher, sizes, decoder)."""
     monkeypatch.setattr(kv_module, "PREFILL_CHUNK", 64)
-    model = int8_model
     monkeypatch.setattr(model, "specdec_int8_wide_rows", None, raising=False)
     batcher = ForwardBatcher(model, BatchConfig(window_ms=0, prefill_chunk_share=share))
     seen: list[int] = []
@@ -299,6 +296,17 @@ def test_a_prompt_beside_a_decoder_goes_in_cut_chunks_and_gets_the_cache_of_whol
     monkeypatch.setattr(batcher, "prefill", recording)
     decoder = _decoded_once(batcher, model)
     batcher._decode_pass_seconds, batcher._prefill_row_seconds = 1e-9, 1e-3
+    return batcher, seen, decoder
+
+
+@pytest.mark.parametrize("share, sizes", [(1.0, [16, 16, 16, 16, 6]), (0.0, [64, 6])])
+def test_a_prompt_beside_a_decoder_goes_in_cut_chunks_and_gets_the_cache_of_whole_ones(
+        int8_model, monkeypatch, share, sizes):
+    """With a decoder waiting, a 70-token prompt goes in chunks of MIN_PREFILL_CHUNK (a decode pass
+    measured as all but free) instead of 64 (the negative control: share 0); at int8 its cache and
+    next row are bitwise those of a prefill of its own in whole chunks."""
+    model = int8_model
+    batcher, seen, decoder = _beside_a_decoder(model, monkeypatch, share)
     prompt = [(3 * i + 2) % VOCAB for i in range(70)]
     with torch.inference_mode():
         kv = TreeKVCache(model, runner=batcher)
@@ -318,20 +326,8 @@ def test_a_short_pending_run_beside_a_decoder_is_cut_too(int8_model, monkeypatch
     to it as to a long prompt: two prefill chunks of MIN_PREFILL_CHUNK, and the tail (8 tokens) goes
     with the tree. Share 0 (no cut, the negative control): all 40 with the tree. Either way the
     rows are bitwise those of a session alone."""
-    monkeypatch.setattr(kv_module, "PREFILL_CHUNK", 64)
     model = int8_model
-    monkeypatch.setattr(model, "specdec_int8_wide_rows", None, raising=False)
-    batcher = ForwardBatcher(model, BatchConfig(window_ms=0, prefill_chunk_share=share))
-    seen: list[int] = []
-    prefill = batcher.prefill
-
-    def recording(kv, plan):
-        seen.append(len(plan.tokens))
-        prefill(kv, plan)
-
-    monkeypatch.setattr(batcher, "prefill", recording)
-    decoder = _decoded_once(batcher, model)
-    batcher._decode_pass_seconds, batcher._prefill_row_seconds = 1e-9, 1e-3
+    batcher, seen, decoder = _beside_a_decoder(model, monkeypatch, share)
     committed = [(5 * i + 3) % VOCAB for i in range(40)]
     tree = random_tree(random.Random(3), 4, VOCAB)
     with torch.inference_mode():
