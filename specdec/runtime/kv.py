@@ -62,11 +62,12 @@ class ForwardRunner(Protocol):
 
 # A prompt is prefilled in passes of at most this many tokens: 512 on every device. On the CPU each
 # pass reads every weight once more, so fewer, wider passes are cheaper: on a 2-vCPU Zen 4 EPYC
-# (fbgemm at every width) a 427-token prompt took 2.31 s in 128-token chunks and 2.15 s in one
-# pass (2.12 s: the model's own forward, as plain HF's generate runs it; bench/RESULTS.md "One
-# chunk of 512"); on an AMX Xeon (oneDNN's quantised linear) 1.27 s against 1.51 s at 128. (128
-# was the CPU's chunk while attention ran in float64, whose [heads, chunk, context] scores then
-# cost more than the extra weight reads.) Fewer while other sessions decode beside the chunk
+# (fbgemm at every width) a 427-token prompt on the served path took 2.266 s in 128-token chunks
+# and 2.139 s in 512-token ones, against 2.105 s for the model's own forward in one pass, as plain
+# HF's generate runs it (bench/results/zen4-2026-12-06/prefill-chunk.txt); on an AMX Xeon
+# (oneDNN's quantised linear) 1.27 s against 1.51 s at 128. (128 was the CPU's chunk while
+# attention ran in float64, whose [heads, chunk, context] scores then cost more than the extra
+# weight reads.) Fewer while other sessions decode beside the chunk
 # (ForwardBatcher.prefill_chunk_tokens, applied to every pending run: scoring.prepare). Either
 # way a long prompt's attention scores are [heads, chunk, context], not [heads, context, context];
 # the rows are bitwise those of one pass at int8 (§14).
