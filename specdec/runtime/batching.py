@@ -45,6 +45,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from specdec.runtime.kv import (
     growing_layer_class,
     model_device_dtype,
 )
+from specdec.runtime.pass_time import PassTimeModel
 from specdec.runtime.ragged import RaggedPass, Segment, use_ragged_attention
 
 
@@ -132,11 +134,14 @@ class PassShape:
 
 # Weight of the newest batched pass in the mean pass time behind the gather window: a pass that
 # carries a prefill chunk (3× a decode pass here) moves the window by a fifth of the difference.
-# The same weight keeps the decode pass's time and a chunk row's time (prefill_chunk_tokens).
+# The same weight keeps the mean decode rows of a pass (prefill_chunk_tokens).
 PASS_SECONDS_WEIGHT = 0.2
 # The fewest prompt tokens a cut prefill chunk carries: below this an int8 pass's rows cost more
 # each (the weights are read for few rows) and a prompt would take many passes.
 MIN_PREFILL_CHUNK = 16
+# The most prompt tokens one prompt prefills before the next one in line has its turn
+# (ForwardBatcher.prefill_turn): four whole chunks, so a prompt of up to 2048 tokens goes in one turn.
+PREFILL_TURN_TOKENS = 2048
 
 
 def _decayed(mean: float | None, sample: float) -> float:
@@ -170,12 +175,14 @@ class ForwardBatcher:
         self._recent: tuple[weakref.WeakSet[TreeKVCache], weakref.WeakSet[TreeKVCache]] = (
             weakref.WeakSet(), weakref.WeakSet())
         self._pass_seconds = 0.0  # a decaying mean of the batched passes' times (the gather window)
-        # For prefill_chunk_tokens: decaying means of a pass without prompt rows (_Job.prompt_rows:
-        # prefill chunks, a call's pending tokens before its last) and of what a prompt row adds
-        # to a pass (_prompt_row_seconds); and the sessions that decoded in the last
-        # two passes that had decode rows (held weakly, as _recent: a released session drops out).
-        self._decode_pass_seconds: float | None = None
-        self._prefill_row_seconds: float | None = None
+        # For prefill_chunk_tokens: a pass's time by its rows (fitted over every pass), a decaying
+        # mean of the decode rows (rows other than _Job.prompt_rows) of the passes that had any,
+        # and the sessions that decoded in the last two such passes (held weakly, as _recent: a
+        # released session drops out).
+        self._pass_time = PassTimeModel()
+        self._decode_rows: float | None = None
+        # Prompts waiting for their next prefill chunk's turn (prefill_turn); the first holds it.
+        self._prefill_line: deque[object] = deque()
         self._recent_decoders: tuple[weakref.WeakSet[TreeKVCache], weakref.WeakSet[TreeKVCache]] = (
             weakref.WeakSet(), weakref.WeakSet())
 
@@ -255,18 +262,60 @@ class ForwardBatcher:
         """How many prompt tokens `kv`'s next prefill chunk should carry (at most `whole`). While
         other sessions decode (rows in the last two passes with decode rows, or a call queued), the
         chunk joins their pass and they wait for it: it is cut to adding at most
-        BatchConfig.prefill_chunk_share × a decode pass's time (both measured here), never below
-        MIN_PREFILL_CHUNK. Alone, or before anything is measured, or at share 0: `whole`. The cut
-        changes no row at int8 (a prefix's rows do not depend on the passes it took, §14)."""
+        BatchConfig.prefill_chunk_share × D, never below MIN_PREFILL_CHUNK. D is the fitted pass
+        time (PassTimeModel) at the decoders' rows, and a row adds the fit's slope r, so the cut is
+        share × (fixed / r + decode rows) rows. Before the fit (passes of one width only) the fixed
+        cost counts as nothing: share × decode rows. Alone, or at share 0: `whole`; where rows cost
+        nothing measurable (r = 0), `whole` too. The cut changes no row at int8 (a prefix's rows do
+        not depend on the passes it took, §14)."""
         share = self.config.prefill_chunk_share
         with self._cond:
-            decode, row = self._decode_pass_seconds, self._prefill_row_seconds
+            fixed, per_row = self._pass_time.fixed, self._pass_time.per_row
+            decode_rows = max(1.0, self._decode_rows or 1.0)
             decoding = [session for passed in self._recent_decoders for session in passed]
             decoding += [job.kv for job in self._queue if job.kv is not None and not job.prefill]
             others = any(session is not kv for session in decoding)
-        if not (self._ragged and share > 0 and others and decode and row):
+        if not (self._ragged and share > 0 and others):
             return whole
-        return max(MIN_PREFILL_CHUNK, min(whole, int(share * decode / row)))
+        if per_row is None or fixed is None:
+            rows = share * decode_rows
+        elif per_row <= 0:
+            return whole
+        else:
+            rows = share * (fixed / per_row + decode_rows)
+        return max(MIN_PREFILL_CHUNK, min(whole, int(rows)))
+
+    @property
+    def prefill_turn_tokens(self) -> int:
+        """The most prompt tokens one prefill turn takes before the next prompt in line has its turn."""
+        return PREFILL_TURN_TOKENS
+
+    @contextmanager
+    def prefill_turn(self) -> Iterator[None]:
+        """Hold while prefilling up to `prefill_turn_tokens` of a prompt: prompts take turns, in the
+        order they asked, one at a time, so each chunk is sized when it is about to join a pass, with
+        the decoders of that moment in view. Sized when queued, the chunks of prompts that came
+        together were all whole (nobody decoded yet) and then held the first prompt's decoding for a
+        whole chunk each (8 fresh clients: 5–12 s after its first token). First come, first served
+        (not a chunk each in turn): prompts that came together get their first tokens one after the
+        other instead of all at the end; the turn's bound keeps a very long prompt from holding up
+        the rest for its whole prefill."""
+        me = object()
+        with self._cond:
+            self._prefill_line.append(me)
+            try:
+                while self._prefill_line[0] is not me:
+                    self._cond.wait()
+            except BaseException:
+                self._prefill_line.remove(me)
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._prefill_line.popleft()
+                self._cond.notify_all()
 
     # leading ----------------------------------------------------------------------------------
     def _submit(self, job: _Job) -> _Job:
@@ -307,7 +356,7 @@ class ForwardBatcher:
             # one pass kept missing every other one: their next calls always arrived while the
             # pass of the rest ran, and 8 clients went as two batches of 4 in turn
             # (bench/RESULTS.md, "Serving: batch-aware drafts").
-            while ((self._members > len(self._queue) or self._sessions_on_their_way())
+            while ((self._members_with_a_plan_to_come() > len(self._queue) or self._sessions_on_their_way())
                    and self._queued_positions() < config.max_batch_tokens
                    and (left := deadline - self.clock()) > 0):
                 self._cond.wait(left)
@@ -340,6 +389,11 @@ class ForwardBatcher:
         window"); on a GPU's 10 ms passes the floor decides."""
         config = self.config
         return max(config.window_ms / 1000, config.window_share * self._pass_seconds)
+
+    def _members_with_a_plan_to_come(self) -> int:
+        """Members less those waiting for a prefill turn (prefill_turn): theirs cannot come before
+        the turn's chunk has run, so a pass that waited for them would wait its whole window."""
+        return self._members - max(0, len(self._prefill_line) - 1)
 
     def _queued_positions(self) -> int:
         return sum(job.positions for job in self._queue)
@@ -398,12 +452,10 @@ class ForwardBatcher:
         self._pass_seconds = _decayed(self._pass_seconds, seconds)
         positions = [job.positions for job in batch]
         rows = sum(positions) if ragged else len(batch) * max(positions)
-        prompt_rows = sum(job.prompt_rows for job in batch)
-        if prompt_rows:
-            self._prefill_row_seconds = _decayed(self._prefill_row_seconds,
-                                                 self._prompt_row_seconds(seconds, rows, prompt_rows))
-        else:
-            self._decode_pass_seconds = _decayed(self._decode_pass_seconds, seconds)
+        self._pass_time.add(rows, seconds)
+        decode_rows = sum(job.positions - job.prompt_rows for job in batch if not job.prefill)
+        if decode_rows:
+            self._decode_rows = _decayed(self._decode_rows, decode_rows)
         for job in batch:
             job.pass_calls, job.pass_rows = len(batch), rows
         stats = self.stats
@@ -413,16 +465,6 @@ class ForwardBatcher:
         stats.batch_positions += sum(positions)
         stats.batch_seconds += seconds
         stats.largest_batch = max(stats.largest_batch, len(batch))
-
-    def _prompt_row_seconds(self, seconds: float, rows: int, prompt_rows: int) -> float:
-        """What one prompt row added to a pass of `seconds` with `rows` rows, `prompt_rows` of them a
-        prefill chunk's: beside decode rows, the pass's time beyond a decode pass's over its prompt
-        rows, but at least a quarter of the pass's mean time per row (so one pass faster than the
-        mean decode pass does not make the next chunk huge); a chunk alone, its time per row."""
-        decode = self._decode_pass_seconds
-        if prompt_rows == rows or decode is None:
-            return seconds / rows
-        return max((seconds - decode) / prompt_rows, 0.25 * seconds / rows)
 
     # the batched pass -------------------------------------------------------------------------
     def _batched_pass(self, batch: list[_Job]) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,6 +58,11 @@ class ForwardRunner(Protocol):
     def prefill(self, kv: TreeKVCache, plan: ExtendPlan) -> None: ...
 
     def prefill_chunk_tokens(self, kv: TreeKVCache, whole: int) -> int: ...
+
+    def prefill_turn(self) -> AbstractContextManager[None]: ...
+
+    @property
+    def prefill_turn_tokens(self) -> int: ...
 
 
 # A prompt is prefilled in passes of at most this many tokens: 512 on every device. On the CPU each
@@ -382,11 +387,19 @@ class TreeKVCache:
         device, _ = model_device_dtype(self.model)
         whole = prefill_chunk(device, self.model)
         tokens = [int(t) for t in tokens]
+        joins = self.runner is not None and getattr(self.runner, "joins_prefill", False)
+        # Where chunks join other sessions' passes, the prompt prefills in its turn, so each chunk is
+        # sized with the decoders of the pass it joins in view, and prompts go first come, first
+        # served, a turn's worth of tokens at a time (ForwardBatcher.prefill_turn).
+        turn_tokens = self.runner.prefill_turn_tokens if joins else len(tokens)  # type: ignore[union-attr]
         begin = 0
         while begin < len(tokens):
-            size = self.chunk_tokens(whole)
-            self._prefill_chunk(tokens[begin:begin + size], device)
-            begin += size
+            with self.runner.prefill_turn() if joins else nullcontext():  # type: ignore[union-attr]
+                end = min(len(tokens), begin + turn_tokens)
+                while begin < end:
+                    size = min(self.chunk_tokens(whole), end - begin)
+                    self._prefill_chunk(tokens[begin:begin + size], device)
+                    begin += size
 
     def chunk_tokens(self, whole: int) -> int:
         """The next prefill chunk's tokens: `whole`, or fewer where the chunk joins other sessions'

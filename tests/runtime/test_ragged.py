@@ -8,18 +8,22 @@ wrapped keeps the padded layout.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import threading
+import time
 
 import pytest
 import torch
 
+from specdec.runtime import batching as batching_module
 from specdec.runtime import kv as kv_module
 from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import MIN_PREFILL_CHUNK, ForwardBatcher, _Job
+from specdec.runtime.batching import MIN_PREFILL_CHUNK, PASS_SECONDS_WEIGHT, ForwardBatcher, _Job
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.loading import quantize_int8
+from specdec.runtime.pass_time import PassTimeModel
 from specdec.runtime.ragged import RAGGED_PREFIX, use_ragged_attention
 from specdec.runtime.scoring import commit_path, prepare, score_tree, tree_block
 from specdec.runtime.tiny import build_tiny_model
@@ -240,48 +244,60 @@ def _decoded_once(batcher: ForwardBatcher, model) -> TreeKVCache:
     return kv
 
 
+def _fitted(batcher: ForwardBatcher, fixed: float, per_row: float) -> None:
+    """Give `batcher` a pass-time line of `fixed` s + `per_row` s a row (as if fitted)."""
+    batcher._pass_time = PassTimeModel(fixed=fixed, per_row=per_row)
+
+
 @pytest.mark.parametrize("share, cut", [(1.0, 80), (0.5, 40), (0.1, MIN_PREFILL_CHUNK), (0.0, 256)])
 def test_a_chunk_beside_a_decoding_session_adds_its_share_of_a_decode_pass(int8_model, share, cut):
-    """A decode pass of 0.4 s and 5 ms a row: at share 1 a chunk of 80 rows, at 0.5 of 40, never
-    below MIN_PREFILL_CHUNK; share 0, nothing measured, or nobody else decoding: the whole chunk."""
+    """A decoder's pass of 0.4 s (0.385 s fixed, 5 ms for each of its 3 rows) and 5 ms a row: at
+    share 1 a chunk of 80 rows, at 0.5 of 40, never below MIN_PREFILL_CHUNK; share 0 or nobody else
+    decoding: the whole chunk. Before the line is fitted the fixed cost counts as nothing (share ×
+    the decoders' 3 rows: at most MIN_PREFILL_CHUNK here), never the whole chunk."""
     batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0, prefill_chunk_share=share))
     prompt = TreeKVCache(int8_model, runner=batcher)
     assert batcher.prefill_chunk_tokens(prompt, 256) == 256  # nobody decodes yet
+    with torch.inference_mode():
+        prompt.prefill([1, 2, 3, 4])
+    assert batcher.prefill_chunk_tokens(prompt, 256) == 256  # a prompt's prefill makes no one wait
     decoder = _decoded_once(batcher, int8_model)
-    assert batcher._decode_pass_seconds is not None and batcher._prefill_row_seconds is None
-    assert batcher.prefill_chunk_tokens(prompt, 256) == 256  # a prompt row's time is not measured yet
-    batcher._decode_pass_seconds, batcher._prefill_row_seconds = 0.4, 0.005
+    assert not batcher._pass_time.fitted and batcher._decode_rows == 3  # widths 4 and 3: too alike
+    unfitted = 256 if share == 0 else MIN_PREFILL_CHUNK
+    assert batcher.prefill_chunk_tokens(prompt, 256) == unfitted
+    _fitted(batcher, 0.385, 0.005)
     assert batcher.prefill_chunk_tokens(prompt, 256) == cut
     assert batcher.prefill_chunk_tokens(prompt, 64) == min(64, cut)
     assert batcher.prefill_chunk_tokens(decoder, 256) == 256  # its own decoding makes no one wait
+    _fitted(batcher, 0.385, 0.0)  # rows cost nothing measurable (a GPU's flat pass): whole
+    assert batcher.prefill_chunk_tokens(prompt, 256) == 256
+    _fitted(batcher, 0.385, 0.005)
     del decoder
     gc.collect()
     assert batcher.prefill_chunk_tokens(prompt, 256) == 256  # released: no one decodes any more
 
 
-def test_a_prompts_tail_riding_with_a_draft_is_timed_as_prompt_rows(int8_model):
-    """A verify pass that carries a prompt's tail (pending tokens before the last: no logits) is not
-    a decode pass: were it timed as one, the mean decode pass would grow with every new prompt and
-    the cut beside decoders with it (chunks of hundreds of rows, multi-second stalls for the
-    decoders). Its time goes to the prompt rows' mean; a step's pass (every row's logits) moves the
-    decode pass's mean."""
+def test_a_prompts_tail_riding_with_a_draft_counts_as_prompt_rows(int8_model):
+    """A verify pass that carries a prompt's tail (pending tokens before the last: no logits) has
+    only the draft's rows as decode rows: were the tail counted, the decoders' rows would grow with
+    every new prompt and the cut beside them with it (chunks of hundreds of rows, multi-second stalls
+    for the decoders). Every pass, whatever it carries, goes into the fitted line."""
     batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0))
     _decoded_once(batcher, int8_model)
-    decode = batcher._decode_pass_seconds
-    assert decode is not None and batcher._prefill_row_seconds is None
+    assert batcher._decode_rows == 3 and batcher._pass_time.weight == 1
     committed = [(7 * i + 2) % VOCAB for i in range(40)]
     tree = random_tree(random.Random(5), 3, VOCAB)
     with torch.inference_mode():
         score = score_tree(TreeKVCache(int8_model, runner=batcher), committed, tree)
     assert score.pending_len == 40  # alone: the whole prompt rides with the draft
-    assert batcher._decode_pass_seconds == decode and batcher._prefill_row_seconds is not None
-    _decoded_once(batcher, int8_model)
-    assert batcher._decode_pass_seconds != decode
+    # 39 prompt rows; the last pending token's row and the tree's 3 nodes are decode rows
+    assert batcher._decode_rows == pytest.approx(3 + PASS_SECONDS_WEIGHT * (4 - 3))
+    assert batcher._pass_time.weight > 1 and batcher._pass_time.fitted  # widths 3 and 43
 
 
 def _beside_a_decoder(model, monkeypatch, share: float):
-    """A batcher with 64-token chunks, a session that has just decoded in it, a decode pass measured
-    as all but free (so the cut is MIN_PREFILL_CHUNK at any share > 0), and the prefill chunks' sizes
+    """A batcher with 64-token chunks, a session that has just decoded in it (3 rows), a pass with no
+    fixed cost (so the cut is MIN_PREFILL_CHUNK at any share up to 5), and the prefill chunks' sizes
     as they are submitted: (batcher, sizes, decoder)."""
     monkeypatch.setattr(kv_module, "PREFILL_CHUNK", 64)
     monkeypatch.setattr(model, "specdec_int8_wide_rows", None, raising=False)
@@ -295,7 +311,7 @@ def _beside_a_decoder(model, monkeypatch, share: float):
 
     monkeypatch.setattr(batcher, "prefill", recording)
     decoder = _decoded_once(batcher, model)
-    batcher._decode_pass_seconds, batcher._prefill_row_seconds = 1e-9, 1e-3
+    _fitted(batcher, 0.0, 1e-3)
     return batcher, seen, decoder
 
 
@@ -345,3 +361,112 @@ def test_the_prefill_chunk_share_is_checked():
     with pytest.raises(ValueError, match="prefill_chunk_share"):
         BatchConfig(prefill_chunk_share=17)
     assert BatchConfig().prefill_chunk_share == 2.0
+
+
+def _wait_until(condition, seconds: float = JOIN_S) -> bool:
+    """Poll `condition` for at most `seconds`: whether it came true."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _two_prompts(model, batcher: ForwardBatcher, monkeypatch, prompt: list[int]) -> tuple[list[str], bool]:
+    """Prompt a starts its prefill and its first pass is held until prompt b has asked for its turn
+    (or, with no turns, sized its first chunk); then both finish. (Events in order: "size X" when a
+    chunk of X is sized, "pass X,Y" when a pass starts; whether b was sized while a's pass was held.)"""
+    events: list[str] = []
+    sizing, execute = batcher.prefill_chunk_tokens, batcher._execute
+    held, release = threading.Event(), threading.Event()
+
+    def sized(kv, whole):
+        events.append(f"size {kv.name}")
+        return sizing(kv, whole)
+
+    def run(batch):
+        events.append("pass " + ",".join(job.kv.name for job in batch if job.kv is not None))
+        if not held.is_set():
+            held.set()
+            assert release.wait(JOIN_S)
+        execute(batch)
+
+    monkeypatch.setattr(batcher, "prefill_chunk_tokens", sized)
+    monkeypatch.setattr(batcher, "_execute", run)
+    caches = {name: TreeKVCache(model, runner=batcher) for name in "ab"}
+    for name, kv in caches.items():
+        kv.name = name
+
+    def prefill(name):
+        with torch.inference_mode():
+            caches[name].prefill(prompt)
+
+    first = threading.Thread(target=prefill, args=("a",))
+    first.start()
+    assert held.wait(JOIN_S)
+    second = threading.Thread(target=prefill, args=("b",))
+    second.start()
+    assert _wait_until(lambda: len(batcher._prefill_line) == 2 or "size b" in events)
+    sized_early = "size b" in events
+    release.set()
+    first.join(JOIN_S)
+    second.join(JOIN_S)
+    assert not first.is_alive() and not second.is_alive()
+    assert caches["a"].prefix == caches["b"].prefix == prompt
+    return events, sized_early
+
+
+@pytest.mark.parametrize("turns", [True, False])
+def test_a_prompts_chunk_is_sized_in_its_turn_after_the_chunk_before_it_ran(int8_model, monkeypatch, turns):
+    """Two prompts prefill at once. The second's chunk is sized only once the first's has run, so
+    its cut sees the decoders of the pass it joins (sized when queued, chunks of prompts that came
+    together were all whole). Negative control, the turn taken away: the second is sized while
+    the first's pass is still held."""
+    batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0))
+    if not turns:
+        monkeypatch.setattr(batcher, "prefill_turn", contextlib.nullcontext)
+    prompt = [(3 * i + 1) % VOCAB for i in range(20)]
+    events, sized_early = _two_prompts(int8_model, batcher, monkeypatch, prompt)
+    assert sized_early is not turns
+    if turns:
+        assert events == ["size a", "pass a", "size b", "pass b"]
+
+
+@pytest.mark.parametrize("turn_tokens, order", [(2048, "aaabbb"), (16, "aabbab")])
+def test_prompts_prefill_first_come_first_served_a_turn_at_a_time(int8_model, monkeypatch, turn_tokens,
+                                                                  order):
+    """Two 24-token prompts in 8-token chunks: the first prompt's chunks all go before the second's
+    (its first token comes a whole prefill sooner; one chunk each in turn would give "ababab"), up
+    to a turn's tokens: at 16, two chunks and then the other prompt's turn."""
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(int8_model, "specdec_int8_wide_rows", None, raising=False)
+    monkeypatch.setattr(batching_module, "PREFILL_TURN_TOKENS", turn_tokens)
+    batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0))
+    prompt = [(5 * i + 4) % VOCAB for i in range(24)]
+    events, sized_early = _two_prompts(int8_model, batcher, monkeypatch, prompt)
+    assert not sized_early
+    assert "".join(event[-1] for event in events if event.startswith("pass")) == order
+
+
+def test_a_prompt_waiting_for_its_turn_does_not_hold_a_pass_for_its_window(int8_model):
+    """A call waiting for a prefill turn has no plan to bring this pass: a decoder's pass does not
+    wait the gather window (1 s here) for it."""
+    batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=1000, window_share=0))
+    decoder, waiting = (TreeKVCache(int8_model, runner=batcher) for _ in range(2))
+
+    def prefill():
+        with batcher.member(), torch.inference_mode():
+            waiting.prefill([(5 * i + 2) % VOCAB for i in range(20)])
+
+    with batcher.prefill_turn():
+        thread = threading.Thread(target=prefill)
+        thread.start()
+        assert _wait_until(lambda: len(batcher._prefill_line) == 2)
+        began = time.monotonic()
+        with batcher.member(), torch.inference_mode():
+            decoder.extend_chain([4, 5, 6], rows_from=0)
+        took = time.monotonic() - began
+    thread.join(JOIN_S)
+    assert not thread.is_alive() and waiting.prefix_len == 20
+    assert took < 0.5, f"the decoder's pass waited {took:.2f} s for a call waiting in line"
