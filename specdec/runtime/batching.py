@@ -270,19 +270,19 @@ class ForwardBatcher:
         not depend on the passes it took, §14)."""
         share = self.config.prefill_chunk_share
         with self._cond:
-            fixed, per_row = self._pass_time.fixed, self._pass_time.per_row
             decode_rows = max(1.0, self._decode_rows or 1.0)
+            decode, per_row = self._pass_time.seconds(decode_rows), self._pass_time.per_row
             decoding = [session for passed in self._recent_decoders for session in passed]
             decoding += [job.kv for job in self._queue if job.kv is not None and not job.prefill]
             others = any(session is not kv for session in decoding)
         if not (self._ragged and share > 0 and others):
             return whole
-        if per_row is None or fixed is None:
+        if decode is None or per_row is None:  # no line yet: the fixed cost counts as nothing
             rows = share * decode_rows
         elif per_row <= 0:
             return whole
         else:
-            rows = share * (fixed / per_row + decode_rows)
+            rows = share * decode / per_row
         return max(MIN_PREFILL_CHUNK, min(whole, int(rows)))
 
     @property

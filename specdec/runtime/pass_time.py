@@ -43,9 +43,11 @@ class PassTimeModel:
 
     def add(self, rows: int, seconds: float) -> None:
         """Weigh in one pass of `rows` query rows that took `seconds`; refit when the widths differ."""
-        for name, value in (("weight", 1.0), ("sum_x", rows), ("sum_y", seconds),
-                            ("sum_xx", rows * rows), ("sum_xy", rows * seconds)):
-            setattr(self, name, DECAY * getattr(self, name) + value)
+        self.weight = DECAY * self.weight + 1.0
+        self.sum_x = DECAY * self.sum_x + rows
+        self.sum_y = DECAY * self.sum_y + seconds
+        self.sum_xx = DECAY * self.sum_xx + rows * rows
+        self.sum_xy = DECAY * self.sum_xy + rows * seconds
         mean_x, mean_y = self.sum_x / self.weight, self.sum_y / self.weight
         variance = self.sum_xx / self.weight - mean_x * mean_x
         if variance < MIN_SPREAD * MIN_SPREAD or not math.isfinite(variance):
