@@ -291,7 +291,7 @@ class ForwardBatcher:
         return PREFILL_TURN_TOKENS
 
     @contextmanager
-    def prefill_turn(self) -> Iterator[None]:
+    def prefill_turn(self, pending: int | None = None) -> Iterator[None]:
         """Hold while prefilling up to `prefill_turn_tokens` of a prompt: prompts take turns, in the
         order they asked, one at a time, so each chunk is sized when it is about to join a pass, with
         the decoders of that moment in view. Sized when queued, the chunks of prompts that came
@@ -299,7 +299,26 @@ class ForwardBatcher:
         whole chunk each (8 fresh clients: 5–12 s after its first token). First come, first served
         (not a chunk each in turn): prompts that came together get their first tokens one after the
         other instead of all at the end; the turn's bound keeps a very long prompt from holding up
-        the rest for its whole prefill."""
+        the rest for its whole prefill.
+
+        `pending`: a call's run of new committed tokens (a short prompt, a chat turn's message),
+        held from its sizing (scoring.prepare) to the end of the pass that carries its tail with the
+        draft. Sized on arrival, the short prompts of a wave all rode whole, several to a pass, while
+        the first one done waited (2–6 s after its first token). A run no cut can shorten (at most
+        MIN_PREFILL_CHUNK: a decode step's few tokens) takes no turn and waits for no prompt; nor
+        does one longer than a turn (its prefill takes its own turns). A thread that holds the turn
+        holds it again at once (the call's prefill inside its turn)."""
+        held = getattr(self._caller, "turns", 0)
+        if held:  # this thread's call holds the turn already
+            self._caller.turns = held + 1
+            try:
+                yield
+            finally:
+                self._caller.turns = held
+            return
+        if pending is not None and not MIN_PREFILL_CHUNK < pending <= self.prefill_turn_tokens:
+            yield
+            return
         me = object()
         with self._cond:
             self._prefill_line.append(me)
@@ -310,9 +329,11 @@ class ForwardBatcher:
                 self._prefill_line.remove(me)
                 self._cond.notify_all()
                 raise
+        self._caller.turns = 1
         try:
             yield
         finally:
+            self._caller.turns = 0
             with self._cond:
                 self._prefill_line.popleft()
                 self._cond.notify_all()

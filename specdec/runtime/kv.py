@@ -59,7 +59,7 @@ class ForwardRunner(Protocol):
 
     def prefill_chunk_tokens(self, kv: TreeKVCache, whole: int) -> int: ...
 
-    def prefill_turn(self) -> AbstractContextManager[None]: ...
+    def prefill_turn(self, pending: int | None = None) -> AbstractContextManager[None]: ...
 
     @property
     def prefill_turn_tokens(self) -> int: ...
@@ -400,6 +400,16 @@ class TreeKVCache:
                     size = min(self.chunk_tokens(whole), end - begin)
                     self._prefill_chunk(tokens[begin:begin + size], device)
                     begin += size
+
+    def pending_turn(self, new_tokens: int) -> AbstractContextManager[None]:
+        """The runner's prefill turn for a call with `new_tokens` uncached committed tokens, held by
+        the caller from sizing them to the end of the pass that carries their tail
+        (scoring.score_tree): a new prompt's run is then sized, like a prompt's chunk, with the
+        decoders of its pass in view, one prompt at a time (ForwardBatcher.prefill_turn says which
+        runs take it)."""
+        if self.runner is None or not getattr(self.runner, "joins_prefill", False):
+            return nullcontext()
+        return self.runner.prefill_turn(pending=new_tokens)
 
     def chunk_tokens(self, whole: int) -> int:
         """The next prefill chunk's tokens: `whole`, or fewer where the chunk joins other sessions'

@@ -41,7 +41,25 @@ class Prepared(NamedTuple):
 
 def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int | None = None) -> Prepared:
     """Roll the cache back to the longest reusable prefix of `committed`, then extend it with the
-    engine's cached blocks of the rest (TreeKVCache.restore_prefix).
+    engine's cached blocks of the rest (TreeKVCache.restore_prefix), and prefill all but the
+    pending run of what is left (`prefill_head`)."""
+    reused, restored = reuse(kv, committed)
+    return Prepared(reused, prefill_head(kv, committed[reused:], max_pending), restored)
+
+
+def reuse(kv: TreeKVCache, committed: Sequence[int]) -> tuple[int, int]:
+    """Bring the cache to the longest prefix of `committed` it holds or can restore from the engine's
+    prefix cache, the last committed token left out: (tokens reused, of which restored)."""
+    if not committed:
+        raise ValueError("the committed sequence must hold at least one token")
+    kv.truncate(min(kv.common_prefix(committed), len(committed) - 1))
+    restored = kv.restore_prefix(committed[:-1])
+    return kv.prefix_len, restored
+
+
+def prefill_head(kv: TreeKVCache, new: Sequence[int], max_pending: int | None = None) -> list[int]:
+    """Prefill the head of `new` (the uncached committed tokens) and return the pending run that goes
+    with the tree in the next pass.
 
     The last committed token is always pending so that its logits
     (the distribution of the next token) come out of the next forward pass. When more than
@@ -55,13 +73,7 @@ def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int | None =
     whole decode step; rows are bitwise the same either way at int8, docs/algorithms.md §14).
     In steady state one or a few tokens are pending and everything is one pass.
     """
-    if not committed:
-        raise ValueError("the committed sequence must hold at least one token")
-    reused = min(kv.common_prefix(committed), len(committed) - 1)
-    kv.truncate(reused)
-    restored = kv.restore_prefix(committed[:-1])
-    reused = kv.prefix_len
-    pending = list(committed[reused:])
+    pending = list(new)
     if len(pending) > 1:
         limit = max(1, max_pending if max_pending is not None else kv.pending_limit(MAX_PENDING))
         cut = kv.chunk_tokens(limit)  # the limit, or fewer beside other sessions' passes
@@ -69,7 +81,7 @@ def prepare(kv: TreeKVCache, committed: Sequence[int], max_pending: int | None =
             tail = (len(pending) - 1) % cut + 1
             kv.prefill(pending[:-tail])
             pending = pending[-tail:]
-    return Prepared(reused, pending, restored)
+    return pending
 
 
 def tree_block(pending_len: int, tree: DraftTree) -> list[int]:
@@ -82,10 +94,13 @@ def tree_block(pending_len: int, tree: DraftTree) -> list[int]:
 def score_tree(
     kv: TreeKVCache, committed: Sequence[int], tree: DraftTree, max_pending: int | None = None
 ) -> TreeScore:
-    """One forward pass over the pending committed tokens and every tree node."""
-    reused, pending, restored = prepare(kv, committed, max_pending)
-    tokens = pending + list(tree.tokens)
-    logits = kv.extend(tokens, tree_block(len(pending), tree), rows_from=len(pending) - 1)
+    """One forward pass over the pending committed tokens and every tree node. A new prompt's run
+    is sized and carried in the runner's prefill turn (TreeKVCache.pending_turn)."""
+    reused, restored = reuse(kv, committed)
+    with kv.pending_turn(len(committed) - reused):
+        pending = prefill_head(kv, committed[reused:], max_pending)
+        tokens = pending + list(tree.tokens)
+        logits = kv.extend(tokens, tree_block(len(pending), tree), rows_from=len(pending) - 1)
     return TreeScore(logits=logits, pending_len=len(pending), reused=reused, restored=restored)
 
 

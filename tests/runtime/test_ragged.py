@@ -373,10 +373,12 @@ def _wait_until(condition, seconds: float = JOIN_S) -> bool:
     return True
 
 
-def _two_prompts(model, batcher: ForwardBatcher, monkeypatch, prompt: list[int]) -> tuple[list[str], bool]:
-    """Prompt a starts its prefill and its first pass is held until prompt b has asked for its turn
-    (or, with no turns, sized its first chunk); then both finish. (Events in order: "size X" when a
-    chunk of X is sized, "pass X,Y" when a pass starts; whether b was sized while a's pass was held.)"""
+def _two_prompts(model, batcher: ForwardBatcher, monkeypatch, prompt: list[int],
+                 tree=None) -> tuple[list[str], bool, dict[str, TreeKVCache]]:
+    """Prompt a starts its prefill (with `tree`: its first verify, score_tree) and its first pass is
+    held until prompt b has asked for its turn (or, with no turns, sized its first chunk); then both
+    finish. (Events in order: "size X" when a chunk of X is sized, "pass X,Y" when a pass starts;
+    whether b was sized while a's pass was held; the caches by name.)"""
     events: list[str] = []
     sizing, execute = batcher.prefill_chunk_tokens, batcher._execute
     held, release = threading.Event(), threading.Event()
@@ -400,7 +402,10 @@ def _two_prompts(model, batcher: ForwardBatcher, monkeypatch, prompt: list[int])
 
     def prefill(name):
         with torch.inference_mode():
-            caches[name].prefill(prompt)
+            if tree is None:
+                caches[name].prefill(prompt)
+            else:
+                caches[name].score = score_tree(caches[name], prompt, tree)
 
     first = threading.Thread(target=prefill, args=("a",))
     first.start()
@@ -413,8 +418,9 @@ def _two_prompts(model, batcher: ForwardBatcher, monkeypatch, prompt: list[int])
     first.join(JOIN_S)
     second.join(JOIN_S)
     assert not first.is_alive() and not second.is_alive()
-    assert caches["a"].prefix == caches["b"].prefix == prompt
-    return events, sized_early
+    if tree is None:
+        assert caches["a"].prefix == caches["b"].prefix == prompt
+    return events, sized_early, caches
 
 
 @pytest.mark.parametrize("turns", [True, False])
@@ -427,10 +433,60 @@ def test_a_prompts_chunk_is_sized_in_its_turn_after_the_chunk_before_it_ran(int8
     if not turns:
         monkeypatch.setattr(batcher, "prefill_turn", contextlib.nullcontext)
     prompt = [(3 * i + 1) % VOCAB for i in range(20)]
-    events, sized_early = _two_prompts(int8_model, batcher, monkeypatch, prompt)
+    events, sized_early, _ = _two_prompts(int8_model, batcher, monkeypatch, prompt)
     assert sized_early is not turns
     if turns:
         assert events == ["size a", "pass a", "size b", "pass b"]
+
+
+@pytest.mark.parametrize("turns", [True, False])
+def test_a_short_prompts_run_is_sized_in_its_turn_after_the_pass_before_it(int8_model, monkeypatch, turns):
+    """Two 40-token prompts (under a chunk: each would ride whole with its first draft) arrive
+    together. In turns, b's run is sized once a's verify pass has run, so a decodes beside it and b
+    is cut: two chunks of MIN_PREFILL_CHUNK, then its tail of 8 with the tree, and a's next step
+    waits for a chunk, not for a whole prompt. Negative control, no turns: b is sized while a's pass
+    is held, sees no decoder and rides whole (40 pending tokens). Either way b's rows are bitwise
+    those of a session alone."""
+    batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0))
+    if not turns:
+        monkeypatch.setattr(batcher, "prefill_turn", lambda pending=None: contextlib.nullcontext())
+    prompt = [(7 * i + 5) % VOCAB for i in range(40)]
+    tree = random_tree(random.Random(9), 3, VOCAB)
+    events, sized_early, caches = _two_prompts(int8_model, batcher, monkeypatch, prompt, tree)
+    assert sized_early is not turns
+    assert events[:3] == ["size a", "pass a", "size b"]  # a's pass starts first either way
+    assert caches["a"].score.pending_len == 40
+    assert caches["b"].score.pending_len == (8 if turns else 40)
+    with torch.inference_mode():
+        own = score_tree(TreeKVCache(int8_model), prompt, tree)
+    assert torch.equal(caches["b"].score.logits, own.logits)
+
+
+def test_a_decode_steps_few_new_tokens_take_no_turn(int8_model):
+    """A call with a few new committed tokens (a step: at most MIN_PREFILL_CHUNK) never waits in line
+    behind a prompt's prefill; a prompt's run waits; a thread that holds the turn takes it again."""
+    batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0))
+    with batcher.prefill_turn():
+        with batcher.prefill_turn(pending=MIN_PREFILL_CHUNK):  # held: no wait either way
+            pass
+    taken = threading.Event()
+
+    def other(pending):
+        with batcher.prefill_turn(pending=pending):
+            taken.set()
+
+    with batcher.prefill_turn():
+        step = threading.Thread(target=other, args=(MIN_PREFILL_CHUNK,))
+        step.start()
+        assert taken.wait(JOIN_S)  # a step's run: no turn, no wait
+        step.join(JOIN_S)
+        taken.clear()
+        prompt = threading.Thread(target=other, args=(MIN_PREFILL_CHUNK + 1,))
+        prompt.start()
+        assert _wait_until(lambda: len(batcher._prefill_line) == 2)
+        assert not taken.is_set()  # a prompt's run waits for the turn
+    prompt.join(JOIN_S)
+    assert taken.is_set() and not batcher._prefill_line
 
 
 @pytest.mark.parametrize("turn_tokens, order", [(2048, "aaabbb"), (16, "aabbab")])
@@ -444,7 +500,7 @@ def test_prompts_prefill_first_come_first_served_a_turn_at_a_time(int8_model, mo
     monkeypatch.setattr(batching_module, "PREFILL_TURN_TOKENS", turn_tokens)
     batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0))
     prompt = [(5 * i + 4) % VOCAB for i in range(24)]
-    events, sized_early = _two_prompts(int8_model, batcher, monkeypatch, prompt)
+    events, sized_early, _ = _two_prompts(int8_model, batcher, monkeypatch, prompt)
     assert not sized_early
     assert "".join(event[-1] for event in events if event.startswith("pass")) == order
 
