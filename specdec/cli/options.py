@@ -170,7 +170,7 @@ PrefillChunkShareOpt = Annotated[float, typer.Option(
     "--prefill-chunk-share", min=0.0, max=16.0, help="While other sessions decode, a prompt's prefill chunk "
     "joins their pass (ragged layout) cut to add at most this share of a decode pass's time to it, both "
     "measured by the engine (at least 16 tokens): at 2, a pass with a chunk takes about three decode passes "
-    "(8 clients: ITL p99 about 3x p50, first tokens about 6x sooner than at 1). Smaller: shorter gaps, much "
+    "(8 clients: ITL p99 2.5-3x p50, first tokens about 6x sooner than at 1). Smaller: shorter gaps, much "
     "later first tokens under load. Alone, a prompt goes in whole chunks. 0: whole chunks always.")]
 # Engine defaults, spelled out: the CLI starts without torch (specdec.engine.sessions.SessionConfig's and
 # orchestrator.config's defaults; a test checks they agree).

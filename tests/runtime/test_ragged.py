@@ -489,6 +489,63 @@ def test_a_decode_steps_few_new_tokens_take_no_turn(int8_model):
     assert taken.is_set() and not batcher._prefill_line
 
 
+def test_sessions_with_prompts_of_every_kind_at_once_get_their_own_rows(int8_model, monkeypatch):
+    """Six sessions at once, each a prompt (a step's 3 tokens, a short run that takes the turn, runs
+    of several chunks within a turn and longer than a turn) and then four steps with draft trees,
+    a chat turn's message half way: nothing hangs (every thread joins), the line empties, and every
+    row is bitwise what the session gets alone (§14)."""
+    monkeypatch.setattr(kv_module, "PREFILL_CHUNK", 32)
+    monkeypatch.setattr(int8_model, "specdec_int8_wide_rows", None, raising=False)
+    monkeypatch.setattr(batching_module, "PREFILL_TURN_TOKENS", 96)
+    batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=5))
+    lengths = [3, 20, 40, 90, 150, 200]  # 150 and 200: longer than a turn, their prefill takes turns
+
+    def script(index: int) -> list[tuple[list[int], object]]:
+        rng = random.Random(index)
+        committed = [rng.randrange(VOCAB) for _ in range(lengths[index])]
+        steps = []
+        for step in range(5):
+            if step == 2:  # a chat turn's new message
+                committed = committed + [rng.randrange(VOCAB) for _ in range(24)]
+            steps.append((list(committed), random_tree(rng, 1 + step % 4, VOCAB)))
+            committed = committed + [rng.randrange(VOCAB)]
+        return steps
+
+    def session(kv: TreeKVCache, index: int) -> list[torch.Tensor]:
+        rows = []
+        with torch.inference_mode():
+            for committed, tree in script(index):
+                score = score_tree(kv, committed, tree)
+                rows.append(score.logits)
+                commit_path(kv, score.pending_len, [])
+        return rows
+
+    got: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(lengths))
+
+    def run(index: int) -> None:
+        try:
+            start.wait(JOIN_S)
+            with batcher.member():
+                got[index] = session(TreeKVCache(int8_model, runner=batcher), index)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(lengths))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_S)
+    assert not any(thread.is_alive() for thread in threads), "a session hung"
+    if errors:
+        raise errors[0]
+    assert not batcher._prefill_line
+    for index in range(len(lengths)):
+        alone = session(TreeKVCache(int8_model), index)
+        assert all(torch.equal(a, b) for a, b in zip(got[index], alone, strict=True)), index
+
+
 @pytest.mark.parametrize("turn_tokens, order", [(2048, "aaabbb"), (16, "aabbab")])
 def test_prompts_prefill_first_come_first_served_a_turn_at_a_time(int8_model, monkeypatch, turn_tokens,
                                                                   order):
