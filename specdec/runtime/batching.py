@@ -42,6 +42,7 @@ thread count changes no row: int8 rows are computed per row (docs/algorithms.md 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -268,6 +269,13 @@ class ForwardBatcher:
         cost counts as nothing: share × decode rows. Alone, or at share 0: `whole`; where rows cost
         nothing measurable (r = 0), `whole` too. The cut changes no row at int8 (a prefix's rows do
         not depend on the passes it took, §14)."""
+        cut = self._cut_beside_decoders(kv)
+        return whole if cut is None else max(MIN_PREFILL_CHUNK, min(whole, cut))
+
+    def _cut_beside_decoders(self, kv: TreeKVCache | None) -> int | None:
+        """The prompt rows a pass of other sessions' decoders takes beside them
+        (prefill_chunk_tokens), unbounded where rows cost nothing measurable; None while no other
+        session decodes, or where nothing is cut (padded passes, share 0)."""
         share = self.config.prefill_chunk_share
         with self._cond:
             decode_rows = max(1.0, self._decode_rows or 1.0)
@@ -276,14 +284,12 @@ class ForwardBatcher:
             decoding += [job.kv for job in self._queue if job.kv is not None and not job.prefill]
             others = any(session is not kv for session in decoding)
         if not (self._ragged and share > 0 and others):
-            return whole
+            return None
         if decode is None or per_row is None:  # no line yet: the fixed cost counts as nothing
-            rows = share * decode_rows
-        elif per_row <= 0:
-            return whole
-        else:
-            rows = share * decode / per_row
-        return max(MIN_PREFILL_CHUNK, min(whole, int(rows)))
+            return int(share * decode_rows)
+        if per_row <= 0:
+            return sys.maxsize
+        return int(share * decode / per_row)
 
     @property
     def prefill_turn_tokens(self) -> int:
@@ -291,7 +297,7 @@ class ForwardBatcher:
         return PREFILL_TURN_TOKENS
 
     @contextmanager
-    def prefill_turn(self, pending: int | None = None) -> Iterator[None]:
+    def prefill_turn(self, pending: int | None = None, kv: TreeKVCache | None = None) -> Iterator[None]:
         """Hold while prefilling up to `prefill_turn_tokens` of a prompt: prompts take turns, in the
         order they asked, one at a time, so each chunk is sized when it is about to join a pass, with
         the decoders of that moment in view. Sized when queued, the chunks of prompts that came
@@ -301,13 +307,15 @@ class ForwardBatcher:
         other instead of all at the end; the turn's bound keeps a very long prompt from holding up
         the rest for its whole prefill.
 
-        `pending`: a call's run of new committed tokens (a short prompt, a chat turn's message),
-        held from its sizing (scoring.prepare) to the end of the pass that carries its tail with the
-        draft. Sized on arrival, the short prompts of a wave all rode whole, several to a pass, while
-        the first one done waited (2–6 s after its first token). A run no cut can shorten (at most
-        MIN_PREFILL_CHUNK: a decode step's few tokens) takes no turn and waits for no prompt; nor
-        does one longer than a turn (its prefill takes its own turns). A thread that holds the turn
-        holds it again at once (the call's prefill inside its turn)."""
+        `pending`: the run of new committed tokens of a call on `kv` (a short prompt, a chat turn's
+        message), held from its sizing (scoring.prepare) to the end of the pass that carries its tail
+        with the draft. Sized on arrival, the short prompts of a wave all rode whole, several to a
+        pass, while the first one done waited (2–6 s after its first token). No turn, and no wait
+        behind a prompt's prefill, for a run no cut can shorten (at most MIN_PREFILL_CHUNK: a decode
+        step's few tokens), for one longer than a turn (its prefill takes its own turns), or for one
+        that other sessions' decoding lets into their pass whole already (a chat turn's message
+        under load: sized with decoders in view, it would not be cut in its turn either). A thread
+        that holds the turn holds it again at once (the call's prefill inside its turn)."""
         held = getattr(self._caller, "turns", 0)
         if held:  # this thread's call holds the turn already
             self._caller.turns = held + 1
@@ -316,7 +324,8 @@ class ForwardBatcher:
             finally:
                 self._caller.turns = held
             return
-        if pending is not None and not MIN_PREFILL_CHUNK < pending <= self.prefill_turn_tokens:
+        if pending is not None and (not MIN_PREFILL_CHUNK < pending <= self.prefill_turn_tokens
+                                    or pending <= (self._cut_beside_decoders(kv) or 0)):
             yield
             return
         me = object()

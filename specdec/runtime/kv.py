@@ -59,7 +59,8 @@ class ForwardRunner(Protocol):
 
     def prefill_chunk_tokens(self, kv: TreeKVCache, whole: int) -> int: ...
 
-    def prefill_turn(self, pending: int | None = None) -> AbstractContextManager[None]: ...
+    def prefill_turn(self, pending: int | None = None, kv: TreeKVCache | None = None
+                     ) -> AbstractContextManager[None]: ...
 
     @property
     def prefill_turn_tokens(self) -> int: ...
@@ -409,7 +410,7 @@ class TreeKVCache:
         runs take it)."""
         if self.runner is None or not getattr(self.runner, "joins_prefill", False):
             return nullcontext()
-        return self.runner.prefill_turn(pending=new_tokens)
+        return self.runner.prefill_turn(pending=new_tokens, kv=self)
 
     def chunk_tokens(self, whole: int) -> int:
         """The next prefill chunk's tokens: `whole`, or fewer where the chunk joins other sessions'

@@ -449,7 +449,7 @@ def test_a_short_prompts_run_is_sized_in_its_turn_after_the_pass_before_it(int8_
     those of a session alone."""
     batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0))
     if not turns:
-        monkeypatch.setattr(batcher, "prefill_turn", lambda pending=None: contextlib.nullcontext())
+        monkeypatch.setattr(batcher, "prefill_turn", lambda pending=None, kv=None: contextlib.nullcontext())
     prompt = [(7 * i + 5) % VOCAB for i in range(40)]
     tree = random_tree(random.Random(9), 3, VOCAB)
     events, sized_early, caches = _two_prompts(int8_model, batcher, monkeypatch, prompt, tree)
@@ -462,31 +462,41 @@ def test_a_short_prompts_run_is_sized_in_its_turn_after_the_pass_before_it(int8_
     assert torch.equal(caches["b"].score.logits, own.logits)
 
 
-def test_a_decode_steps_few_new_tokens_take_no_turn(int8_model):
-    """A call with a few new committed tokens (a step: at most MIN_PREFILL_CHUNK) never waits in line
-    behind a prompt's prefill; a prompt's run waits; a thread that holds the turn takes it again."""
+@pytest.mark.parametrize("pending, decoding, waits", [
+    (MIN_PREFILL_CHUNK, False, False),  # a step's few tokens: never in line
+    (MIN_PREFILL_CHUNK + 1, False, True),  # a prompt's run with nobody decoding yet (a wave)
+    (100, True, False),  # a chat turn's message that the decoders let in whole (cut: 160)
+    (200, True, True),  # a run the decoders' cut would shorten: sized in its turn
+    (3000, False, False),  # longer than a turn: its prefill takes turns of its own
+])
+def test_which_runs_wait_for_the_prefill_turn(int8_model, pending, decoding, waits):
+    """While another call holds the prefill turn, a call's run of new tokens waits in line only where
+    its size depends on when it is sized: a run that a cut could shorten and that the decoders in
+    view (a pass of 0.4 s, 5 ms a row: 160 rows at share 2) would not let in whole, or any such run
+    while nobody decodes yet. A thread that holds the turn takes it again at once."""
     batcher = ForwardBatcher(int8_model, BatchConfig(window_ms=0))
-    with batcher.prefill_turn():
-        with batcher.prefill_turn(pending=MIN_PREFILL_CHUNK):  # held: no wait either way
-            pass
+    decoder = _decoded_once(batcher, int8_model) if decoding else None
+    _fitted(batcher, 0.385, 0.005)
+    session = TreeKVCache(int8_model, runner=batcher)
+    with batcher.prefill_turn(), batcher.prefill_turn(pending=pending, kv=session):
+        pass  # held: no wait either way
     taken = threading.Event()
 
-    def other(pending):
-        with batcher.prefill_turn(pending=pending):
+    def other():
+        with batcher.prefill_turn(pending=pending, kv=session):
             taken.set()
 
     with batcher.prefill_turn():
-        step = threading.Thread(target=other, args=(MIN_PREFILL_CHUNK,))
-        step.start()
-        assert taken.wait(JOIN_S)  # a step's run: no turn, no wait
-        step.join(JOIN_S)
-        taken.clear()
-        prompt = threading.Thread(target=other, args=(MIN_PREFILL_CHUNK + 1,))
-        prompt.start()
-        assert _wait_until(lambda: len(batcher._prefill_line) == 2)
-        assert not taken.is_set()  # a prompt's run waits for the turn
-    prompt.join(JOIN_S)
-    assert taken.is_set() and not batcher._prefill_line
+        thread = threading.Thread(target=other)
+        thread.start()
+        if waits:
+            assert _wait_until(lambda: len(batcher._prefill_line) == 2)
+            assert not taken.is_set()
+        else:
+            assert taken.wait(JOIN_S)
+    thread.join(JOIN_S)
+    assert not thread.is_alive() and taken.is_set() and not batcher._prefill_line
+    assert decoder is None or decoder.prefix_len == 0  # alive (decoding) throughout
 
 
 def test_sessions_with_prompts_of_every_kind_at_once_get_their_own_rows(int8_model, monkeypatch):
