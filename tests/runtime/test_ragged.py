@@ -9,6 +9,7 @@ wrapped keeps the padded layout.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import random
 import threading
@@ -27,6 +28,7 @@ from specdec.runtime.pass_time import PassTimeModel
 from specdec.runtime.ragged import RAGGED_PREFIX, use_ragged_attention
 from specdec.runtime.scoring import commit_path, prepare, score_tree, tree_block
 from specdec.runtime.tiny import build_tiny_model
+from tests.engine.test_batching import in_threads
 from tests.runtime.test_scoring import random_tree
 
 VOCAB = 48
@@ -530,26 +532,11 @@ def test_sessions_with_prompts_of_every_kind_at_once_get_their_own_rows(int8_mod
                 commit_path(kv, score.pending_len, [])
         return rows
 
-    got: dict[int, list[torch.Tensor]] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(lengths))
+    def run(index: int) -> list[torch.Tensor]:
+        with batcher.member():
+            return session(TreeKVCache(int8_model, runner=batcher), index)
 
-    def run(index: int) -> None:
-        try:
-            start.wait(JOIN_S)
-            with batcher.member():
-                got[index] = session(TreeKVCache(int8_model, runner=batcher), index)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(lengths))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_S)
-    assert not any(thread.is_alive() for thread in threads), "a session hung"
-    if errors:
-        raise errors[0]
+    got = in_threads([functools.partial(run, index) for index in range(len(lengths))])  # joins all
     assert not batcher._prefill_line
     for index in range(len(lengths)):
         alone = session(TreeKVCache(int8_model), index)
