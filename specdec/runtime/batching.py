@@ -308,7 +308,7 @@ class ForwardBatcher:
         the rest for its whole prefill.
 
         `pending`: the run of new committed tokens of a call on `kv` (a short prompt, a chat turn's
-        message), held from its sizing (scoring.prepare) to the end of the pass that carries its tail
+        message), held from its sizing (scoring.prefill_head) to the end of the pass that carries its tail
         with the draft. Sized on arrival, the short prompts of a wave all rode whole, several to a
         pass, while the first one done waited (2–6 s after its first token). No turn, and no wait
         behind a prompt's prefill, for a run no cut can shorten (at most MIN_PREFILL_CHUNK: a decode

@@ -74,7 +74,7 @@ class ForwardRunner(Protocol):
 # (oneDNN's quantised linear) 1.27 s against 1.51 s at 128. (128 was the CPU's chunk while
 # attention ran in float64, whose [heads, chunk, context] scores then cost more than the extra
 # weight reads.) Fewer while other sessions decode beside the chunk
-# (ForwardBatcher.prefill_chunk_tokens, applied to every pending run: scoring.prepare). Either
+# (ForwardBatcher.prefill_chunk_tokens, applied to every pending run: scoring.prefill_head). Either
 # way a long prompt's attention scores are [heads, chunk, context], not [heads, context, context];
 # the rows are bitwise those of one pass at int8 (§14).
 PREFILL_CHUNK = 512
@@ -189,7 +189,7 @@ class TreeKVCache:
 
     def pending_limit(self, elsewhere: int) -> int:
         """Most uncached committed tokens a pass takes with a draft tree: a prefill chunk on the CPU,
-        `elsewhere` on other devices (more are prefilled first, specdec.runtime.scoring.prepare)."""
+        `elsewhere` on other devices (more are prefilled first, specdec.runtime.scoring.prefill_head)."""
         device, _ = model_device_dtype(self.model)
         return prefill_chunk(device, self.model) if device.type == "cpu" else elsewhere
 
