@@ -316,13 +316,8 @@ class ForwardBatcher:
         that other sessions' decoding lets into their pass whole already (a chat turn's message
         under load: sized with decoders in view, it would not be cut in its turn either). A thread
         that holds the turn holds it again at once (the call's prefill inside its turn)."""
-        held = getattr(self._caller, "turns", 0)
-        if held:  # this thread's call holds the turn already
-            self._caller.turns = held + 1
-            try:
-                yield
-            finally:
-                self._caller.turns = held
+        if getattr(self._caller, "holds_turn", False):  # this thread's call holds the turn already
+            yield
             return
         if pending is not None and (not MIN_PREFILL_CHUNK < pending <= self.prefill_turn_tokens
                                     or pending <= (self._cut_beside_decoders(kv) or 0)):
@@ -338,11 +333,11 @@ class ForwardBatcher:
                 self._prefill_line.remove(me)
                 self._cond.notify_all()
                 raise
-        self._caller.turns = 1
+        self._caller.holds_turn = True
         try:
             yield
         finally:
-            self._caller.turns = 0
+            self._caller.holds_turn = False
             with self._cond:
                 self._prefill_line.popleft()
                 self._cond.notify_all()

@@ -388,19 +388,24 @@ class TreeKVCache:
         device, _ = model_device_dtype(self.model)
         whole = prefill_chunk(device, self.model)
         tokens = [int(t) for t in tokens]
-        joins = self.runner is not None and getattr(self.runner, "joins_prefill", False)
+        runner = self._joining_runner()
         # Where chunks join other sessions' passes, the prompt prefills in its turn, so each chunk is
         # sized with the decoders of the pass it joins in view, and prompts go first come, first
         # served, a turn's worth of tokens at a time (ForwardBatcher.prefill_turn).
-        turn_tokens = self.runner.prefill_turn_tokens if joins else len(tokens)  # type: ignore[union-attr]
+        turn_tokens = runner.prefill_turn_tokens if runner is not None else len(tokens)
         begin = 0
         while begin < len(tokens):
-            with self.runner.prefill_turn() if joins else nullcontext():  # type: ignore[union-attr]
+            with runner.prefill_turn() if runner is not None else nullcontext():
                 end = min(len(tokens), begin + turn_tokens)
                 while begin < end:
                     size = min(self.chunk_tokens(whole), end - begin)
                     self._prefill_chunk(tokens[begin:begin + size], device)
                     begin += size
+
+    def _joining_runner(self) -> ForwardRunner | None:
+        """The runner where prefill chunks join other sessions' passes (ragged passes), else None."""
+        runner = self.runner
+        return runner if runner is not None and getattr(runner, "joins_prefill", False) else None
 
     def pending_turn(self, new_tokens: int) -> AbstractContextManager[None]:
         """The runner's prefill turn for a call with `new_tokens` uncached committed tokens, held by
@@ -408,22 +413,21 @@ class TreeKVCache:
         (scoring.score_tree): a new prompt's run is then sized, like a prompt's chunk, with the
         decoders of its pass in view, one prompt at a time (ForwardBatcher.prefill_turn says which
         runs take it)."""
-        if self.runner is None or not getattr(self.runner, "joins_prefill", False):
-            return nullcontext()
-        return self.runner.prefill_turn(pending=new_tokens, kv=self)
+        runner = self._joining_runner()
+        return nullcontext() if runner is None else runner.prefill_turn(pending=new_tokens, kv=self)
 
     def chunk_tokens(self, whole: int) -> int:
         """The next prefill chunk's tokens: `whole`, or fewer where the chunk joins other sessions'
         passes and the runner cuts it so that they do not wait long (ForwardBatcher.prefill_chunk_tokens)."""
-        if self.runner is None or not getattr(self.runner, "joins_prefill", False):
-            return whole
-        return max(1, min(whole, self.runner.prefill_chunk_tokens(self, whole)))
+        runner = self._joining_runner()
+        return whole if runner is None else max(1, min(whole, runner.prefill_chunk_tokens(self, whole)))
 
     def _prefill_chunk(self, tokens: list[int], device: torch.device) -> None:
-        if self.runner is not None and getattr(self.runner, "joins_prefill", False):
+        runner = self._joining_runner()
+        if runner is not None:
             # The chunk joins other sessions' passes as a chain at the prefix's end (ragged passes).
             plan = self.plan(tokens, sequence_parents(len(tokens)), len(tokens) - 1)
-            self.runner.prefill(self, plan)
+            runner.prefill(self, plan)
             self.apply(plan)
             self.settle(range(len(tokens)))
             return
