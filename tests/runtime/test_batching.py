@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdec.runtime.batch_config import BatchConfig
-from specdec.runtime.batching import PASS_SECONDS_WEIGHT, ForwardBatcher, _Job
+from specdec.runtime.batching import MIN_PREFILL_CHUNK, PASS_SECONDS_WEIGHT, ForwardBatcher, _Job
 from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.scoring import commit_path, prepare, score_tree, tree_block
 from specdec.trees import DraftTree
@@ -61,7 +61,10 @@ def test_batched_pass_rows_equal_each_sessions_own_paths(tiny):
 
 
 def test_threads_share_passes_and_each_gets_its_own_rows(tiny):
-    """Concurrent score_tree calls through the batcher: passes are shared, rows stay exact."""
+    """Concurrent score_tree calls through the batcher: passes are shared, rows stay exact. Every
+    prompt is at most MIN_PREFILL_CHUNK tokens, so no cut beside the others' decoding can split one
+    into a prefill chunk: one call per session and step (a 17-token prompt was cut whenever the
+    others' plans were queued before it was sized, a call more: the flake of a loaded run)."""
     model, vocab = tiny.model, tiny.info.vocab_size
     batcher = ForwardBatcher(model, BatchConfig(window_ms=50))
     failures: list[BaseException] = []
@@ -70,7 +73,8 @@ def test_threads_share_passes_and_each_gets_its_own_rows(tiny):
     def session(index: int) -> None:
         rng = random.Random(index)
         kv = TreeKVCache(model, runner=batcher)
-        seq = [rng.randrange(vocab) for _ in range(2 + 3 * index)]
+        seq = [rng.randrange(vocab) for _ in range(2 + 2 * index)]
+        assert len(seq) <= MIN_PREFILL_CHUNK
         try:
             start.wait(timeout=JOIN_S)
             for _ in range(4):
