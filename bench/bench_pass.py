@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", default="int8", choices=("int8", "int8-per-tensor", "float32"),
                    help="int8: specdec's batch-invariant int8; int8-per-tensor: torch.ao's dynamic int8, "
                         "plain HF's fastest on a CPU (the peer's pass)")
+    p.add_argument("--widths", default="1,9",
+                   help="comma-separated pass widths n to time after the prompt, T(n): a chain of n "
+                        "tokens (1: a decode step; more: a draft's verify pass)")
     p.add_argument("--json", action="store_true", help="one JSON line instead of text")
     args = p.parse_args(argv)
 
@@ -42,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_hf_target(resolve_model(args.target or DEFAULT_TARGET_MODEL), args.precision, args.threads)
     vocab = loaded.info.vocab_size  # the same ids in every checkout; modulo a small test vocabulary
     prompt = [(1000 + (i * 37) % 5000) % vocab for i in range(args.prompt_tokens)]
-    prefill, one, nine = [], [], []
+    widths = sorted({int(w) for w in args.widths.split(",") if w.strip()} | {1})
+    prefill: list[float] = []
+    by_width: dict[int, list[float]] = {n: [] for n in widths}
     with torch.inference_mode():
         for repeat in range(args.repeats + 1):
             kv = TreeKVCache(loaded.model)
@@ -52,21 +58,26 @@ def main(argv: list[str] | None = None) -> int:
             for token in range(3):
                 began = time.perf_counter()
                 kv.extend_chain([(500 + token) % vocab])
-                one.append(time.perf_counter() - began)
+                by_width[1].append(time.perf_counter() - began)
                 kv.settle([0])
-            began = time.perf_counter()
-            kv.extend([t % vocab for t in range(600, 609)], list(range(-1, 8)))
-            nine.append(time.perf_counter() - began)
+            for n in widths[1:]:
+                began = time.perf_counter()
+                kv.extend([t % vocab for t in range(600, 600 + n)], list(range(-1, n - 1)))
+                by_width[n].append(time.perf_counter() - began)
+                kv.settle([])  # the draft rejected: the next width runs on the same context
             if repeat == 0:  # warm-up
-                prefill, one, nine = [], [], []
-    result = {"prefill_s": statistics.median(prefill), "t1_ms": 1e3 * statistics.median(one),
-              "t9_ms": 1e3 * statistics.median(nine), "prompt_tokens": args.prompt_tokens,
-              "precision": args.precision}
+                prefill = []
+                by_width = {n: [] for n in widths}
+    result = {"prefill_s": statistics.median(prefill), "prompt_tokens": args.prompt_tokens,
+              "precision": args.precision,
+              "kernels": os.environ.get("SPECDEC_INT8_KERNELS", "auto"),
+              **{f"t{n}_ms": 1e3 * statistics.median(times) for n, times in by_width.items()}}
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"prefill of {args.prompt_tokens} tokens {result['prefill_s']:.3f} s; "
-              f"T(1) {result['t1_ms']:.1f} ms; T(9) {result['t9_ms']:.1f} ms (after the prompt)")
+        passes = "; ".join(f"T({n}) {result[f't{n}_ms']:.1f} ms" for n in widths)
+        print(f"prefill of {args.prompt_tokens} tokens {result['prefill_s']:.3f} s; {passes} "
+              "(after the prompt)")
     return 0
 
 

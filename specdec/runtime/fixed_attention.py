@@ -5,10 +5,8 @@ The int8 model's rows are bitwise the same in every pass shape only if its atten
 rounding, at 1.4–2.1× float32's time and twice the cache's bytes. `attention_kernel.c` gets there
 by fixing every sum's order from what the row itself sees (its docstring says how), in float32.
 
-The kernel is C, built once per machine with the system's C compiler (`cc -O3 -march=native
--fopenmp`, or one thread without OpenMP) into the specdec home, keyed by the source, the compiler
-and the CPU, and called through ctypes, which lets go of the GIL for the call; its OpenMP threads
-are torch's (one runtime in the process). Without a compiler (or with `SPECDEC_ATTENTION=float64`)
+The kernel is C, built once per machine with the system's C compiler into the specdec home and
+called through ctypes (specdec.runtime.c_kernels). Without a compiler (or with `SPECDEC_ATTENTION=float64`)
 the int8 precision keeps the float64 attention; both are invariant, but they are not the same
 model, so a process uses one (see `attention_choice`).
 """
@@ -17,20 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from importlib import resources
-from pathlib import Path
 
 import torch
 
-from specdec.defaults import specdec_home
-from specdec.runtime.cpuinfo import cpuinfo_field
+from specdec.runtime.c_kernels import KernelUnavailable, compiled
 
 log = logging.getLogger(__name__)
 
@@ -39,83 +29,14 @@ FIXED_ORDER = "fixed-order"  # the C kernel (the default where it builds)
 FLOAT64 = "float64"  # float64 sdpa (specdec.runtime.int8)
 ATTENTION_CHOICES = ("auto", FIXED_ORDER, FLOAT64)
 SOURCE = "attention_kernel.c"
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
-OPENMP = "-fopenmp"  # rows split over torch's threads (its OpenMP runtime); without it, one thread
 NO_MASK, FLOAT_MASK, BOOL_MASK = 0, 1, 2
-
-
-class KernelUnavailable(RuntimeError):
-    """The fixed-order kernel cannot be built or loaded on this machine (the message says why)."""
-
-
-def _compiler() -> Path:
-    """The C compiler: $CC, else cc, else gcc (resolved; KernelUnavailable where there is none)."""
-    named = os.environ.get("CC")
-    found = shutil.which(named) if named else (shutil.which("cc") or shutil.which("gcc"))
-    if not found:
-        raise KernelUnavailable(f"no C compiler found ({'CC=' + named if named else 'cc, gcc'}): "
-                                "install gcc, or set CC")
-    return Path(found).resolve()
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags (what -march=native compiles for), else its architecture."""
-    return cpuinfo_field("flags") or platform.machine()
-
-
-def _build(compiler: Path, source: bytes, library: Path) -> None:
-    """Compile `source` into `library` (atomically: a concurrent start sees all of it or none)."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        source_path = Path(scratch) / SOURCE
-        source_path.write_bytes(source)
-        built = Path(scratch) / library.name
-        errors = []
-        for flags in ((*FLAGS, OPENMP), FLAGS):  # a compiler without OpenMP (clang without libomp)
-            try:
-                result = subprocess.run([str(compiler), *flags, str(source_path), "-o", str(built)],
-                                        capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as error:
-                raise KernelUnavailable(f"the C compiler {compiler} does not run: {error}") from error
-            if result.returncode == 0:
-                break
-            errors.append(result.stderr.strip()[-1000:])
-        else:
-            raise KernelUnavailable(f"{compiler} could not build {SOURCE}: {errors[-1]}")
-        if errors:
-            log.warning("the attention kernel was built without OpenMP (one thread): %s", errors[0])
-        os.replace(built, library)
-    log.info("built the fixed-order attention kernel: %s", library)
 
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel, built on first use (~0.2 s) into <specdec home>/kernels (or the temp
-    directory where the home is not writable), keyed by source, compiler, flags and CPU; else
-    KernelUnavailable saying why."""
-    source = resources.files("specdec.runtime").joinpath(SOURCE).read_bytes()
-    compiler = _compiler()
-    stamp = compiler.stat()  # the compiler's identity without running it (a start runs no process)
-    identity = f"{compiler} {stamp.st_size} {stamp.st_mtime_ns} {' '.join(FLAGS)} {OPENMP}"
-    key = hashlib.sha256(b"\0".join([source, identity.encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    name = f"fixed-order-attention-{key}.so"
-    places = [specdec_home() / "kernels", Path(tempfile.gettempdir()) / f"specdec-kernels-{os.getuid()}"]
-    library = next((place / name for place in places if (place / name).exists()), None)
-    for place in places if library is None else []:
-        try:
-            _build(compiler, source, place / name)
-        except OSError as error:  # not writable: the next place
-            log.info("cannot build the attention kernel in %s: %s", place, error)
-            continue
-        library = place / name
-        break
-    if library is None:
-        raise KernelUnavailable("no writable directory to build the kernel in: "
-                                + ", ".join(map(str, places)))
-    try:
-        kernel = ctypes.CDLL(str(library))
-    except OSError as error:
-        raise KernelUnavailable(f"could not load {library}: {error}") from error
+    """The compiled kernel, built on first use (specdec.runtime.c_kernels); else KernelUnavailable
+    saying why."""
+    kernel = compiled(SOURCE, "fixed-order-attention")
     function = kernel.specdec_fixed_order_attention
     i64, i32 = ctypes.c_int64, ctypes.c_int
     function.argtypes = ([ctypes.c_void_p, i64, i64, i64] * 3

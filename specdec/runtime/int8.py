@@ -7,17 +7,19 @@ int8 × int8 products are summed in int32 (exact, so in any order), and the floa
 product per element: a row's output is bitwise the same whatever else is in the pass
 (docs/algorithms.md §14).
 
-Three kernels compute the same numbers bitwise (a test checks it): fbgemm's int8 GEMM, fastest for
-a few rows on every CPU measured, reached through one operator of the deprecated quantised tensor
-API; `torch._int_mm` (oneDNN's s8 × s8 GEMM), which stays when that operator is gone; and oneDNN's
+Four kernels compute the same numbers bitwise (a test checks it): fbgemm's int8 GEMM, fastest for
+one row on every CPU measured, reached through one operator of the deprecated quantised tensor
+API; `torch._int_mm` (oneDNN's s8 × s8 GEMM), which stays when that operator is gone; oneDNN's
 quantised linear (`torch.ops.onednn.qlinear_pointwise`, the operator torch's x86 int8 compiler
-path uses), which runs on AMX tiles where the CPU has them: 4× fbgemm's speed for a 128-row pass on
-an AMX Xeon. A product may run fbgemm below a row count and a wide kernel from it, per call
-(specdec.runtime.int8_kernels measures which and where on this CPU).
+path uses), which runs on AMX tiles where the CPU has it: 4× fbgemm's speed for a 128-row pass on
+an AMX Xeon; and specdec's own `int8_gemm_kernel.c` on AVX-512 VNNI (1.2–1.6× fbgemm's speed for
+9–64 rows on a Zen 4 EPYC). A product may run fbgemm below a row count and a wide kernel from it,
+per call (specdec.runtime.int8_kernels measures which and where on this CPU).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import threading
@@ -25,6 +27,7 @@ import warnings
 
 import torch
 
+from specdec.runtime.c_kernels import KernelUnavailable, compiled
 from specdec.runtime.fixed_attention import (
     ATTENTION_ENV,
     FIXED_ORDER,
@@ -38,8 +41,10 @@ log = logging.getLogger(__name__)
 ACTIVATION_LEVELS = 63  # codes in [-63, 63]: AVX2's u8×s8 pair sums (vpmaddubsw) stay within int16
 WEIGHT_LEVELS = 127
 _ACTIVATION_ZERO_POINT = 64  # the fbgemm operator takes unsigned codes: code + 64 in [1, 127]
-FBGEMM, INT_MM, ONEDNN = "fbgemm", "int_mm", "onednn"
-WIDE_KERNELS = (INT_MM, ONEDNN)  # what a product may switch to from some row count on
+FBGEMM, INT_MM, ONEDNN, VNNI = "fbgemm", "int_mm", "onednn", "vnni"
+WIDE_KERNELS = (INT_MM, ONEDNN, VNNI)  # what a product may switch to from some row count on
+VNNI_SOURCE = "int8_gemm_kernel.c"
+VNNI_PANEL = 64  # outputs per packed panel of int8_gemm_kernel.c
 
 
 def fbgemm_available() -> bool:
@@ -50,6 +55,57 @@ def fbgemm_available() -> bool:
 def onednn_available() -> bool:
     """Whether this torch has oneDNN's quantised linear (x86 builds with mkldnn)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+@functools.cache
+def _vnni_library() -> ctypes.CDLL | None:
+    """int8_gemm_kernel.c built for this CPU, where it has AVX-512 VNNI and a C compiler; else None."""
+    try:
+        library = compiled(VNNI_SOURCE, "int8-gemm")
+    except KernelUnavailable as error:
+        log.info("the VNNI int8 kernel is not available: %s", error)
+        return None
+    if not library.specdec_int8_gemm_available():  # built without AVX-512 VNNI
+        return None
+    i64 = ctypes.c_int64
+    library.specdec_int8_gemm.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64,
+                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    library.specdec_int8_gemm.restype = ctypes.c_int
+    return library
+
+
+def vnni_available() -> bool:
+    """Whether int8_gemm_kernel.c runs here (x86-64 with AVX-512 VNNI and a C compiler)."""
+    return _vnni_library() is not None
+
+
+def pack_for_vnni(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weight codes [N, K] and scales [N] in int8_gemm_kernel.c's layout: unsigned codes
+    w + 128 in panels of 64 outputs, each a run of [K / 4][4 vectors][16 outputs][4 inputs], zero
+    weights past N and K; the scales padded with zeros to the panels."""
+    outputs, inputs = codes.shape
+    padded_n = -(-outputs // VNNI_PANEL) * VNNI_PANEL
+    padded_k = -(-inputs // 4) * 4
+    wide = torch.zeros(padded_n, padded_k, dtype=torch.int16)
+    wide[:outputs, :inputs] = codes.to(torch.int16)
+    unsigned = (wide + 128).to(torch.uint8)
+    packed = unsigned.reshape(padded_n // VNNI_PANEL, 4, 16, padded_k // 4, 4).permute(0, 3, 1, 2, 4)
+    padded_scale = torch.zeros(padded_n, dtype=torch.float32)
+    padded_scale[:outputs] = scale
+    return packed.contiguous(), padded_scale
+
+
+def _vnni_gemm(codes: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, outputs: int) -> torch.Tensor:
+    """float(Σ_k codes · W) · scale [rows, outputs] by int8_gemm_kernel.c (the GIL let go)."""
+    library = _vnni_library()
+    assert library is not None, "the VNNI kernel runs only where vnni_available()"
+    codes = codes.to(torch.float32).contiguous()
+    rows, inputs = codes.shape
+    out = torch.empty(rows, outputs, dtype=torch.float32)
+    if rows and library.specdec_int8_gemm(codes.data_ptr(), rows, inputs, packed.data_ptr(), outputs,
+                                          scale.data_ptr(), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("the VNNI int8 kernel could not allocate its scratch rows")
+    return out
 
 
 def _onednn_linear(codes: torch.Tensor, zero_point: int, packed: torch.Tensor, scale: torch.Tensor,
@@ -121,6 +177,7 @@ class Int8Product:
         codes, self.weight_scale = quantize_weight(weight.detach().float())
         self.shape = (int(codes.shape[1]), int(codes.shape[0]))  # (K, N): input and output features
         self._packed = self._codes_t = self._onednn = None
+        self._vnni: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed codes, padded scales)
         self._onednn_zero_point = 0  # how oneDNN takes the codes here (onednn_input_zero_point)
         # From this many rows on a call runs `wide_kernel`, below it fbgemm (None: one kernel only)
         self.wide_from_rows: int | None = None
@@ -160,12 +217,19 @@ class Int8Product:
         if rows is not None and kernel not in WIDE_KERNELS:
             raise ValueError(f"a wide kernel is one of {', '.join(WIDE_KERNELS)}, got {kernel!r}")
         if rows is None:
-            self._codes_t = self._onednn = None
+            self._codes_t = self._onednn = self._vnni = None
         elif kernel == INT_MM:
-            self._onednn = None
+            self._onednn = self._vnni = None
             if self._codes_t is None:
                 self._codes_t = self.weight_codes().t().contiguous()
+        elif kernel == VNNI:
+            if not vnni_available():
+                raise ValueError("the VNNI int8 kernel does not run here (no AVX-512 VNNI, or no C compiler)")
+            self._codes_t = self._onednn = None
+            if self._vnni is None:
+                self._vnni = pack_for_vnni(self.weight_codes(), self.weight_scale)
         else:
+            self._vnni = None
             self._onednn_zero_point = onednn_input_zero_point()
             if self._onednn_zero_point is None:
                 raise ValueError("oneDNN's quantised linear does not sum int8 codes exactly on this CPU")
@@ -182,6 +246,9 @@ class Int8Product:
             # float(int32 sum) · weight_scale, as the int_mm branch computes it
             return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
                 codes, 1.0, _ACTIVATION_ZERO_POINT, self._packed)
+        if kernel == VNNI:
+            assert self._vnni is not None, "run_wide_from(rows, VNNI) first"
+            return _vnni_gemm(codes, *self._vnni, self.shape[1])
         if kernel == ONEDNN:
             # input scale 1.0, weight zero points 0: float(int32 sum) · weight_scale per output
             # channel, the same one product as the other kernels

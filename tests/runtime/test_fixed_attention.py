@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from specdec.runtime import fixed_attention
+from specdec.runtime import c_kernels, fixed_attention
 from specdec.runtime.fixed_attention import (
     ATTENTION_ENV,
     FIXED_ORDER,
@@ -187,14 +187,14 @@ def _compiler_script(path, body: str) -> str:
 
 
 def test_a_compiler_without_openmp_builds_a_one_thread_kernel(monkeypatch, tmp_path, caplog):
-    real = fixed_attention._compiler()
+    real = c_kernels.compiler()
     monkeypatch.setenv("CC", _compiler_script(
         tmp_path / "cc-no-openmp",
         f'case "$*" in *-fopenmp*) echo "no OpenMP here" >&2; exit 1;; esac\nexec {real} "$@"\n'))
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     load_kernel.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=fixed_attention.__name__):
+        with caplog.at_level(logging.WARNING, logger=c_kernels.__name__):
             load_kernel()
         assert "without OpenMP" in caplog.text and "no OpenMP here" in caplog.text
         query, key, value = tensors(rows=4)

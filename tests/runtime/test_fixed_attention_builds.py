@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.runtime import fixed_attention
+from specdec.runtime import c_kernels, fixed_attention
 from specdec.runtime.fixed_attention import fixed_order_attention, load_kernel
 
 from .test_fixed_attention import causal_mask, tensors
@@ -23,7 +23,7 @@ def _build_with(flags: list[str], out: Path) -> ctypes.CDLL:
     """The kernel's source built with other flags than the runtime's (a one-off library)."""
     source = out.parent / fixed_attention.SOURCE
     source.write_bytes(resources.files("specdec.runtime").joinpath(fixed_attention.SOURCE).read_bytes())
-    subprocess.run([str(fixed_attention._compiler()), *flags, str(source), "-o", str(out)], check=True,
+    subprocess.run([str(c_kernels.compiler()), *flags, str(source), "-o", str(out)], check=True,
                    capture_output=True, timeout=300)
     library = ctypes.CDLL(str(out))
     library.specdec_fixed_order_attention.argtypes = load_kernel().specdec_fixed_order_attention.argtypes
@@ -36,7 +36,7 @@ def test_avx2_and_avx512_builds_compute_the_same_numbers(tmp_path, monkeypatch):
     (two AVX2 registers, or one AVX-512) does not change a result: a fleet's hosts agree."""
     common = ["-O3", "-fPIC", "-shared", "-std=gnu11", "-fopenmp"]
     builds = {"avx2": ["-march=x86-64-v3"], "native": ["-march=native"]}
-    if "avx512f" in fixed_attention._cpu_flags().split():
+    if "avx512f" in c_kernels.cpu_flags().split():
         builds["avx512"] = ["-march=x86-64-v4"]
     outputs = {}
     query, key, value = tensors(batch=2, heads=12, kv_heads=2, rows=9, length=75, dim=128, seed=7)

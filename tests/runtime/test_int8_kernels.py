@@ -15,12 +15,15 @@ from specdec.runtime.int8 import (
     FBGEMM,
     INT_MM,
     ONEDNN,
+    VNNI,
     Int8Product,
     RowwiseInt8Linear,
     fbgemm_available,
     onednn_available,
     quantize_linears,
+    quantize_rows,
     use_invariant_attention,
+    vnni_available,
 )
 from specdec.runtime.int8_kernels import (
     KERNELS_ENV,
@@ -36,8 +39,10 @@ from specdec.runtime.kv import TreeKVCache
 from specdec.runtime.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no fbgemm")
+NO_VNNI = "specdec's VNNI kernel needs AVX-512 VNNI and a C compiler"
 WIDE = [INT_MM, pytest.param(ONEDNN, marks=pytest.mark.skipif(
-    not onednn_available(), reason="this torch build has no oneDNN quantised linear"))]
+    not onednn_available(), reason="this torch build has no oneDNN quantised linear")),
+    pytest.param(VNNI, marks=pytest.mark.skipif(not vnni_available(), reason=NO_VNNI))]
 
 
 @pytest.mark.parametrize("kernel", WIDE)
@@ -53,7 +58,7 @@ def test_rows_are_bitwise_the_same_on_either_side_of_the_switch(kernel):
         assert torch.equal(layer(x[i:i + 1]), wide[i:i + 1])  # one row: the other kernel
     assert torch.equal(layer(x[2:5]), wide[2:5])
     layer.product.run_wide_from(None)
-    assert layer.product._codes_t is None and layer.product._onednn is None  # the copy goes too
+    assert layer.product._codes_t is layer.product._onednn is layer.product._vnni is None  # the copy goes too
     assert torch.equal(layer(x), wide)
 
 
@@ -99,8 +104,47 @@ def test_switching_between_wide_kernels_keeps_one_copy():
     if onednn_available():
         product.run_wide_from(8, ONEDNN)
         assert product._codes_t is None and product._onednn is not None
+    if vnni_available():
+        product.run_wide_from(8, VNNI)
+        assert product._codes_t is product._onednn is None and product._vnni is not None
+        product.run_wide_from(8, INT_MM)
+        assert product._vnni is None and product._codes_t is not None
     with pytest.raises(ValueError, match="wide kernel"):
         product.run_wide_from(8, FBGEMM)
+
+
+@pytest.mark.skipif(not vnni_available(), reason=NO_VNNI)
+@pytest.mark.parametrize(("inputs", "outputs"), [(160, 72), (150, 70), (8, 64), (1536, 130)])
+def test_the_vnni_kernel_gives_fbgemms_rows_at_every_count_and_ragged_shapes(inputs, outputs):
+    """int8_gemm_kernel.c blocks rows by 6 and outputs by 64 and pads inputs to a multiple of 4:
+    every count of rows (whole blocks, a partial one, several), inputs and outputs off those
+    multiples, and both thread counts give fbgemm's numbers bitwise."""
+    torch.manual_seed(inputs + outputs)
+    product = Int8Product(torch.randn(outputs, inputs) * torch.rand(outputs, 1))
+    product.run_wide_from(1, VNNI)
+    for rows in (1, 2, 5, 6, 7, 12, 13, 31):
+        codes, _ = quantize_rows(torch.randn(rows, inputs) * torch.rand(rows, 1) * 3)
+        expected = product.gemm(codes, FBGEMM)
+        for threads in (1, 2):
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                assert torch.equal(product.gemm(codes, VNNI), expected), (rows, threads)
+            finally:
+                torch.set_num_threads(previous)
+
+
+def test_the_vnni_kernel_is_refused_where_it_does_not_run(monkeypatch, tmp_path):
+    from specdec.runtime import int8, int8_kernels
+
+    monkeypatch.setattr(int8, "vnni_available", lambda: False)
+    monkeypatch.setattr(int8_kernels, "vnni_available", lambda: False)
+    assert VNNI not in wide_kernels()
+    with pytest.raises(ValueError, match="VNNI"):
+        Int8Product(torch.randn(8, 8)).run_wide_from(4, VNNI)
+    monkeypatch.setenv(KERNELS_ENV, "vnni")
+    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        choose_kernels(_model(), tmp_path / "k.json")
 
 
 def test_weight_codes_round_trip_through_fbgemm_packing():
@@ -119,6 +163,8 @@ def _timings(*rows_fbgemm_int_mm):
     (_timings((16, 1.0, 0.5), (64, 4.0, 2.0), (256, 16.0, 6.0)), 16),
     (_timings((16, 1.0, 2.0), (64, 4.0, 3.0), (256, 16.0, 17.0)), None),  # wins in the middle only
     (_timings((16, 1.0, 0.95), (64, 4.0, 3.9), (256, 16.0, 15.0)), None),  # within the noise margin
+    (_timings((16, 1.0, 0.6), (64, 4.0, 3.9), (256, 16.0, 16.4)), 16),  # wins narrow, level wide (VNNI)
+    (_timings((16, 1.0, 0.6), (64, 4.0, 3.9), (256, 16.0, 17.0)), None),  # loses at the widest count
     ({}, None),
 ])
 def test_crossover_is_where_the_wide_kernel_wins_from_there_on(timings, expected):
@@ -179,7 +225,8 @@ def test_measure_stops_a_wide_kernel_where_it_loses_and_a_fallback_loop_after_on
     assert [rows for rows in (256, 64, 16, 4, 1) if fast in timings[rows]] == [256, 64, 16]
     assert timings[64][fast] == table[64][fast]  # the fastest call, the slow first one not counted
     assert crossover(timings, fast) == 64 and best_wide(timings) == (fast, 64)
-    assert clock.calls.count((16, fast)) == 4 and (4, fast) not in clock.calls  # stopped at the loss
+    # stopped at the loss, timed twice over (the first call, then two rounds of 3) before it counted
+    assert clock.calls.count((16, fast)) == 7 and (4, fast) not in clock.calls
     if slow:
         assert clock.calls.count((256, slow)) == 1 and [r for r in timings if slow in timings[r]] == [256]
     # fbgemm's calls alternate with the wide kernel's at the same count
@@ -303,6 +350,9 @@ def test_forced_modes_and_a_bad_value(tmp_path, monkeypatch):
     if onednn_available():
         monkeypatch.setenv(KERNELS_ENV, "onednn")
         assert set(choose_kernels(model, None).values()) == {(ONEDNN, 1)}
+    if vnni_available():
+        monkeypatch.setenv(KERNELS_ENV, "vnni")
+        assert set(choose_kernels(model, None).values()) == {(VNNI, 1)}
     monkeypatch.setenv(KERNELS_ENV, "fbgemm")
     assert set(choose_kernels(model, None).values()) == {None}
     assert model.specdec_int8_wide_rows is None
