@@ -12,7 +12,7 @@ one row on every CPU measured, reached through one operator of the deprecated qu
 API; `torch._int_mm` (oneDNN's s8 × s8 GEMM), which stays when that operator is gone; oneDNN's
 quantised linear (`torch.ops.onednn.qlinear_pointwise`, the operator torch's x86 int8 compiler
 path uses), which runs on AMX tiles where the CPU has it: 4× fbgemm's speed for a 128-row pass on
-an AMX Xeon; and specdec's own `int8_gemm_kernel.c` on AVX-512 VNNI (1.2–1.6× fbgemm's speed for
+an AMX Xeon; and specdec's own `int8_gemm_kernel.c` on AVX-512 VNNI (1.2–1.9× fbgemm's speed for
 9–64 rows on a Zen 4 EPYC). A product may run fbgemm below a row count and a wide kernel from it,
 per call (specdec.runtime.int8_kernels measures which and where on this CPU).
 """
