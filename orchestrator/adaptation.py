@@ -507,6 +507,9 @@ def drafter_catch_up_pays(*, remaining_tokens: int, share: float, step_seconds: 
 
 
 CALIBRATION_PRIOR = 4.0  # pseudo-tokens pulling a source's accepted ÷ predicted towards 1
+# The prompt's pass comes once a request, so its drafts' record fades by prompt passes: faded by
+# every iteration (64 a half-life) it forgot each request's miss before the next one came.
+PROMPT_HALF_LIFE = 8.0
 # Predicted tokens' worth of the orchestrator-wide c_s in one request's own estimate: after a few
 # drafts the request's own record decides (prose beside grounded work must not borrow its c_s).
 REQUEST_PRIOR = 4.0
@@ -528,6 +531,12 @@ def request_calibration(shared: float, predicted: float, accepted: float,
     """c_s for one request: its own accepted ÷ predicted tokens, shrunk towards the shared c_s with
     `prior` predicted tokens' weight (the shared value alone before the request has drafted)."""
     return (accepted + prior * shared) / (predicted + prior)
+
+
+def _calibration(predicted: _Mean | None, accepted: _Mean | None) -> float:
+    """(accepted + CALIBRATION_PRIOR) ÷ (predicted + CALIBRATION_PRIOR), from decayed totals."""
+    return (((accepted.total if accepted else 0.0) + CALIBRATION_PRIOR)
+            / ((predicted.total if predicted else 0.0) + CALIBRATION_PRIOR))
 
 
 @dataclass
@@ -562,6 +571,8 @@ class SourceEstimates:
     _wall: dict[int, _Mean] = field(default_factory=dict)
     _model_side: _Mean = field(default_factory=_Mean)  # per token: made without a model-free draft
     _calls: _Mean = field(default_factory=_Mean)  # calls per verifier pass (B)
+    _prompt_predicted: dict[str, _Mean] = field(default_factory=dict)  # drafts on a prompt's pass
+    _prompt_accepted: dict[str, _Mean] = field(default_factory=dict)
 
     def observe(self, source: str | None, *, predicted: float, accepted: int, positions: int,
                 wall_seconds: float, steady: bool = True, pass_calls: float = 1.0,
@@ -580,6 +591,19 @@ class SourceEstimates:
             self._wall.setdefault(rows, _Mean()).add(wall_seconds)
             self._calls.add(max(1.0, pass_calls))
 
+    def observe_prompt_draft(self, source: str, *, predicted: float, accepted: int) -> None:
+        """A model-free draft of `source` on a pass that took in a prompt: a record of its own, faded
+        by such passes (PROMPT_HALF_LIFE), not by iterations."""
+        decay = 0.5 ** (1.0 / PROMPT_HALF_LIFE)
+        for mean in (*self._prompt_predicted.values(), *self._prompt_accepted.values()):
+            mean.fade(decay)
+        self._prompt_predicted.setdefault(source, _Mean()).add(predicted)
+        self._prompt_accepted.setdefault(source, _Mean()).add(float(accepted))
+
+    def prompt_calibration(self, source: str) -> float:
+        """c_s of `source`'s drafts on prompt passes, towards 1 while little is known."""
+        return _calibration(self._prompt_predicted.get(source), self._prompt_accepted.get(source))
+
     def observe_tokens(self, *, model_side: int, tokens: int) -> None:
         """One iteration's emitted tokens, `model_side` of them without a model-free draft."""
         if tokens > 0:
@@ -590,6 +614,8 @@ class SourceEstimates:
         """Keep W(r) and B, drop c_s and the model-side share (see PairEstimates.forget_acceptance)."""
         self._predicted.clear()
         self._accepted.clear()
+        self._prompt_predicted.clear()
+        self._prompt_accepted.clear()
         self._model_side = _Mean()
 
     def model_side_share(self) -> float:
@@ -598,8 +624,7 @@ class SourceEstimates:
 
     def calibration(self, source: str) -> float:
         """c_s: accepted ÷ predicted tokens of the source's drafts, towards 1 while little is known."""
-        predicted, accepted = self._predicted.get(source, _Mean()), self._accepted.get(source, _Mean())
-        return (accepted.total + CALIBRATION_PRIOR) / (predicted.total + CALIBRATION_PRIOR)
+        return _calibration(self._predicted.get(source), self._accepted.get(source))
 
     def batch_calls(self) -> float:
         """B: the recent mean of calls per verifier pass (1 before any)."""

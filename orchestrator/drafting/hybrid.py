@@ -23,6 +23,17 @@ must first take in every committed token it has not seen. A timed request lets t
 again only when its expected saving over the rest of the request pays for that catch-up
 (adaptation.drafter_catch_up_pays); otherwise it takes a target-only step without the drafter.
 
+The prompt's pass. A request's first pass (or any pass in which the verifier takes in more than
+STEADY_CATCH_UP committed tokens: a resumed request's context) drafts from the prompt's last
+n-gram, which at a chat template's end ("assistant\n") is short and followed elsewhere in the
+prompt by anything but the answer: in 35 traced grounded requests on a flushed cache such drafts
+(1–16 nodes) were never accepted (bench/RESULTS.md, "An int8 kernel of our own"). So their worth has
+its own shared record (SourceEstimates.prompt_calibration, faded by prompt passes, since one comes
+a request), apart from the steady iterations' and from the request's own: where recent requests'
+answers start the way this one does (an agent loop, a warm cache), the record keeps them; where
+they miss, it stops paying their rows. Like every calibration it reads finished iterations only,
+so it keeps the output's law.
+
 The first token. A streamed request's caller waits on the pass that makes its first token (the time to
 first token), and that pass takes in the prompt's uncached rows: a draft's rows would lengthen it by
 their share of its rows (on two CPU cores, an 8-node draft on 23 prompt rows: about a quarter more),
@@ -99,7 +110,7 @@ class HybridChooser(ProposerBase):
             proposal = proposer.offer(step, self.node_cap(proposer))
             if proposal is None:
                 continue
-            cut, rate = self.best_cut(proposal, beside_model=model_may)
+            cut, rate = self.best_cut(proposal, beside_model=model_may, prompt_pass=not step.steady)
             if cut is None:
                 self.forget(proposal.source)
             elif rate > best_rate:
@@ -139,18 +150,20 @@ class HybridChooser(ProposerBase):
             step_seconds=self.estimates.iteration_seconds(1), model_rate=self.model_rate(),
             catch_up_seconds=step.sessions.drafter_catch_up_seconds(step.committed))
 
-    def best_cut(self, proposal: Proposal, *, beside_model: bool = True) -> tuple[Proposal | None, float]:
+    def best_cut(self, proposal: Proposal, *, beside_model: bool = True,
+                 prompt_pass: bool = False) -> tuple[Proposal | None, float]:
         """The proposal's best cut when it promises more tokens per second than the alternatives (a
         target-only step, and the model's best choice when `beside_model`), else None; and its expected
         tokens per second. The cut keeps the m likeliest nodes (by path probability, so parents stay),
         with m maximising (1 + c_s·Σ path probabilities) / W(m + 1).
         Untimed (a seeded request): the whole proposal when it promises SEEDED_MIN_EXPECTED tokens,
-        rated by that promise."""
+        rated by that promise. `prompt_pass`: the pass also takes in the prompt, whose drafts have their
+        own record (module docstring, "The prompt's pass")."""
         if not self.timed:
             promise = proposal.expected_accepted()
             return (proposal, promise) if promise >= SEEDED_MIN_EXPECTED else (None, promise)
         est = self.estimates
-        calibration = self.calibration(proposal.source)
+        calibration = self.calibration(proposal.source, prompt_pass=prompt_pass)
         step_seconds = est.iteration_seconds(1)
         measured = math.isfinite(step_seconds)
         best_m, best_rate, expected = 0, -math.inf, 0.0
@@ -169,8 +182,11 @@ class HybridChooser(ProposerBase):
             return None, best_rate
         return proposal.truncated(best_m), best_rate
 
-    def calibration(self, source: str) -> float:
-        """c_s for this request: its own record shrunk towards the orchestrator's for its kind."""
+    def calibration(self, source: str, *, prompt_pass: bool = False) -> float:
+        """c_s for this request: its own record shrunk towards the orchestrator's for its kind; on
+        the prompt's pass the orchestrator's record of prompt passes alone."""
+        if prompt_pass:
+            return self.estimates.prompt_calibration(self._key(source))
         return request_calibration(self.estimates.calibration(self._key(source)),
                                    self.own_predicted.get(source, 0.0), self.own_accepted.get(source, 0.0))
 
@@ -209,11 +225,17 @@ class HybridChooser(ProposerBase):
         # the run's abandoned look-ahead, which ran at the drafter-shared width).
         if alone and not draft.fallback and not step.beside_abandoned:
             source = draft.source if free_turn else None
-            self.estimates.observe(self._key(source) if source else None, predicted=step.predicted,
+            prompt_pass = source is not None and not step.steady
+            self.estimates.observe(None if prompt_pass or source is None else self._key(source),
+                                   predicted=step.predicted,
                                    accepted=record.accepted, positions=record.num_drafted + 1,
                                    wall_seconds=record.end - record.start, steady=step.steady,
                                    pass_calls=outcome.pass_calls, pass_rows=outcome.pass_rows)
-            if source:
+            if prompt_pass:
+                assert source is not None
+                self.estimates.observe_prompt_draft(self._key(source), predicted=step.predicted,
+                                                    accepted=record.accepted)
+            elif source:
                 self.own_predicted[source] = self.own_predicted.get(source, 0.0) + step.predicted
                 self.own_accepted[source] = self.own_accepted.get(source, 0.0) + record.accepted
         if model_turn:

@@ -327,3 +327,50 @@ def test_a_streamed_request_first_pass_carries_no_draft(source) -> None:
     assert hybrid(timed=False).plan(_step(lag=40, catch_up_seconds=0.1, streamed=True)) == drafted
     # beside other requests the first token's pass is a batched one: the rule is off
     assert hybrid(running=3).plan(_step(lag=40, catch_up_seconds=0.1, streamed=True)) == drafted
+
+
+# ------------------------------------------------------------------------------------------------
+# the prompt's pass: its drafts keep their own shared record
+
+
+def test_the_prompts_pass_reads_the_record_of_prompt_pass_drafts_alone() -> None:
+    """Drafts on the pass that takes in the prompt (lag over STEADY_CATCH_UP) missed on recent
+    requests: the next request's prompt pass is target-only, its steady passes still draft, and a
+    fresh record (no prompt-pass drafts seen) drafts there as before."""
+    estimates = _estimates(greedy_accepts=True, sampled_accepts=True)
+    for misses in range(1, 9):
+        estimates.observe_prompt_draft("suffix:greedy", predicted=4.0, accepted=0)
+        for _ in range(40):  # each request's steady iterations between its prompt passes
+            estimates.observe(None, predicted=0.0, accepted=0, positions=1, wall_seconds=0.13)
+        if misses == 3:  # the cut shrinks first: one node still pays at W(2) = 0.16 s
+            step = _step(lag=335, catch_up_seconds=0.0)
+            assert HybridChooser([_Proposes()], None, estimates, timed=True).plan(step) == "free plan"  # type: ignore[list-item]
+            assert step.predicted < 2.0
+    hybrid = HybridChooser([_Proposes()], None, estimates, timed=True)  # type: ignore[list-item]
+    assert hybrid.plan(_step(lag=335, catch_up_seconds=0.0)) is None
+    assert hybrid.plan(_step(lag=0, catch_up_seconds=0.0)) == "free plan"
+    fresh = HybridChooser([_Proposes()], None, _estimates(greedy_accepts=True, sampled_accepts=True),  # type: ignore[list-item]
+                          timed=True)
+    assert fresh.plan(_step(lag=335, catch_up_seconds=0.0)) == "free plan"
+    # sampled requests keep theirs apart too
+    assert HybridChooser([_Proposes()], None, estimates, timed=True,  # type: ignore[list-item]
+                         sampled=True).plan(_step(lag=335, catch_up_seconds=0.0)) == "free plan"
+
+
+def test_a_prompt_pass_draft_is_recorded_under_the_prompt_key_not_the_requests_own() -> None:
+    estimates = _estimates(greedy_accepts=True, sampled_accepts=True)
+    hybrid = HybridChooser([_Proposes()], None, estimates, timed=True)  # type: ignore[list-item]
+    step = _step(lag=335, catch_up_seconds=0.0)
+    assert hybrid.plan(step) == "free plan" and step.steady is False
+    draft = SimpleNamespace(source="suffix", target_only=False, fallback=False, plan=None)
+    outcome = SimpleNamespace(pass_calls=1.0, pass_rows=None)
+    record = SimpleNamespace(emitted=[7], accepted=0, num_drafted=5, start=0.0, end=1.5)
+    hybrid.settle(step, draft, outcome, record)  # type: ignore[arg-type]
+    assert estimates.prompt_calibration("suffix:greedy") < 0.5  # 4 pseudo-tokens against ~4.3 predicted
+    before = estimates.calibration("suffix:greedy")
+    assert before > 0.9  # the steady record holds no prompt-pass draft
+    assert hybrid.own_predicted == {}  # and so is the request's own
+    steady = _step(lag=0, catch_up_seconds=0.0)
+    assert hybrid.plan(steady) == "free plan" and steady.steady is True
+    hybrid.settle(steady, draft, outcome, record)  # type: ignore[arg-type]
+    assert hybrid.own_predicted["suffix"] > 0
