@@ -225,14 +225,13 @@ class HybridChooser(ProposerBase):
         # the run's abandoned look-ahead, which ran at the drafter-shared width).
         if alone and not draft.fallback and not step.beside_abandoned:
             source = draft.source if free_turn else None
-            prompt_pass = source is not None and not step.steady
-            self.estimates.observe(None if prompt_pass or source is None else self._key(source),
+            steady_source = source if step.steady else None  # a prompt pass's draft: its own record
+            self.estimates.observe(self._key(steady_source) if steady_source else None,
                                    predicted=step.predicted,
                                    accepted=record.accepted, positions=record.num_drafted + 1,
                                    wall_seconds=record.end - record.start, steady=step.steady,
                                    pass_calls=outcome.pass_calls, pass_rows=outcome.pass_rows)
-            if prompt_pass:
-                assert source is not None
+            if source and not step.steady:
                 self.estimates.observe_prompt_draft(self._key(source), predicted=step.predicted,
                                                     accepted=record.accepted)
             elif source:
