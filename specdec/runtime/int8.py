@@ -44,7 +44,7 @@ _ACTIVATION_ZERO_POINT = 64  # the fbgemm operator takes unsigned codes: code + 
 FBGEMM, INT_MM, ONEDNN, VNNI = "fbgemm", "int_mm", "onednn", "vnni"
 WIDE_KERNELS = (INT_MM, ONEDNN, VNNI)  # what a product may switch to from some row count on
 VNNI_SOURCE = "int8_gemm_kernel.c"
-VNNI_PANEL = 64  # outputs per packed panel of int8_gemm_kernel.c
+VNNI_PANEL = 32  # outputs per packed panel of int8_gemm_kernel.c
 
 
 def fbgemm_available() -> bool:
@@ -81,7 +81,7 @@ def vnni_available() -> bool:
 
 def pack_for_vnni(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 weight codes [N, K] and scales [N] in int8_gemm_kernel.c's layout: unsigned codes
-    w + 128 in panels of 64 outputs, each a run of [K / 4][4 vectors][16 outputs][4 inputs], zero
+    w + 128 in panels of 32 outputs, each a run of [K / 4][2 vectors][16 outputs][4 inputs], zero
     weights past N and K; the scales padded with zeros to the panels."""
     outputs, inputs = codes.shape
     padded_n = -(-outputs // VNNI_PANEL) * VNNI_PANEL
@@ -89,7 +89,8 @@ def pack_for_vnni(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     wide = torch.zeros(padded_n, padded_k, dtype=torch.int16)
     wide[:outputs, :inputs] = codes.to(torch.int16)
     unsigned = (wide + 128).to(torch.uint8)
-    packed = unsigned.reshape(padded_n // VNNI_PANEL, 4, 16, padded_k // 4, 4).permute(0, 3, 1, 2, 4)
+    vectors = VNNI_PANEL // 16
+    packed = unsigned.reshape(padded_n // VNNI_PANEL, vectors, 16, padded_k // 4, 4).permute(0, 3, 1, 2, 4)
     padded_scale = torch.zeros(padded_n, dtype=torch.float32)
     padded_scale[:outputs] = scale
     return packed.contiguous(), padded_scale
@@ -184,50 +185,68 @@ class Int8Product:
         self.wide_kernel: str | None = None
         self._no_zero_points = torch.zeros(self.shape[1], dtype=torch.long)  # oneDNN's weight zero points
         if kernel == FBGEMM:
-            with warnings.catch_warnings():  # quantised tensors are deprecated; only this packs for fbgemm
-                warnings.simplefilter("ignore")
-                zero_points = torch.zeros_like(self.weight_scale, dtype=torch.long)
-                qweight = torch._make_per_channel_quantized_tensor(
-                    codes, self.weight_scale.double(), zero_points, 0)
-                self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+            self._packed = self._fbgemm_pack(codes)
         else:
             self._codes_t = codes.t().contiguous()  # [K, N], as torch._int_mm takes it
         self.members = members
         self._last = threading.local()  # per thread: (input, its version, product, row scale, uses)
 
+    def _fbgemm_pack(self, codes: torch.Tensor):
+        """fbgemm's packed weight for int8 codes [N, K]."""
+        with warnings.catch_warnings():  # quantised tensors are deprecated; only this packs for fbgemm
+            warnings.simplefilter("ignore")
+            zero_points = torch.zeros_like(self.weight_scale, dtype=torch.long)
+            scale = self.weight_scale.double()
+            qweight = torch._make_per_channel_quantized_tensor(codes, scale, zero_points, 0)
+            return torch.ops.quantized.linear_prepack(qweight, None)
+
     def weight_codes(self) -> torch.Tensor:
-        """The int8 weight codes [N, K] (unpacked from fbgemm's layout where only that is kept)."""
+        """The int8 weight codes [N, K], from whichever layout is held."""
         if self._codes_t is not None:
             return self._codes_t.t()
+        if self._packed is None and self._vnni is not None:
+            inputs, outputs = self.shape
+            panels, groups = self._vnni[0].shape[:2]
+            unsigned = self._vnni[0].permute(0, 2, 3, 1, 4).reshape(panels * VNNI_PANEL, groups * 4)
+            return (unsigned.to(torch.int16) - 128).to(torch.int8)[:outputs, :inputs]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
         return qweight.int_repr()
 
     def run_wide_from(self, rows: int | None, kernel: str = INT_MM) -> None:
-        """Calls of at least `rows` rows run `kernel` (_int_mm or oneDNN's), smaller ones fbgemm
-        (None: fbgemm only).
+        """Calls of at least `rows` rows run `kernel` (_int_mm, oneDNN's or the VNNI kernel), smaller
+        ones fbgemm (None: fbgemm only).
 
         Every kernel gives every row bitwise the same (exact int32 sums, one float product), so
         the switch is invisible in the output; it costs a second copy of the int8 weight, in the
-        wide kernel's layout, kept only where it is used.
+        wide kernel's layout, kept only where it is used. From one row on no call reaches fbgemm, so
+        its copy goes where the wide layout gives the codes back (_int_mm's, the VNNI kernel's),
+        and comes back from them if a call or a later switch needs it.
         """
-        if self._packed is None:
+        if self.kernel != FBGEMM:
             raise ValueError("this product has no fbgemm weight to switch from")
         if rows is not None and kernel not in WIDE_KERNELS:
             raise ValueError(f"a wide kernel is one of {', '.join(WIDE_KERNELS)}, got {kernel!r}")
+        if rows is not None and kernel == VNNI and not vnni_available():
+            raise ValueError("the VNNI int8 kernel does not run here (no AVX-512 VNNI, or no C compiler)")
+        fbgemm_called = rows is None or rows > 1 or kernel == ONEDNN  # oneDNN's copy gives no codes back
+        built = {INT_MM: self._codes_t, VNNI: self._vnni, ONEDNN: self._onednn}.get(kernel)
+        # the codes (an unpack) only where a layout is to be made
+        codes = self.weight_codes() if (fbgemm_called and self._packed is None) or (
+            rows is not None and built is None) else None
+        if fbgemm_called and self._packed is None:
+            self._packed = self._fbgemm_pack(codes)
         if rows is None:
             self._codes_t = self._onednn = self._vnni = None
         elif kernel == INT_MM:
             self._onednn = self._vnni = None
             if self._codes_t is None:
-                self._codes_t = self.weight_codes().t().contiguous()
+                self._codes_t = codes.t().contiguous()
         elif kernel == VNNI:
-            if not vnni_available():
-                raise ValueError("the VNNI int8 kernel does not run here (no AVX-512 VNNI, or no C compiler)")
             self._codes_t = self._onednn = None
             if self._vnni is None:
-                self._vnni = pack_for_vnni(self.weight_codes(), self.weight_scale)
+                self._vnni = pack_for_vnni(codes, self.weight_scale)
         else:
             self._vnni = None
             self._onednn_zero_point = onednn_input_zero_point()
@@ -235,13 +254,16 @@ class Int8Product:
                 raise ValueError("oneDNN's quantised linear does not sum int8 codes exactly on this CPU")
             self._codes_t = None
             if self._onednn is None:
-                self._onednn = torch.ops.onednn.qlinear_prepack(self.weight_codes().contiguous(),
-                                                                [1, self.shape[0]])
+                self._onednn = torch.ops.onednn.qlinear_prepack(codes.contiguous(), [1, self.shape[0]])
+        if not fbgemm_called:
+            self._packed = None  # no call reaches fbgemm: its copy comes back from the codes when needed
         self.wide_from_rows, self.wide_kernel = rows, (None if rows is None else kernel)
 
     def gemm(self, codes: torch.Tensor, kernel: str) -> torch.Tensor:
         """Σ_k codes_mk · W_nk · s_n [rows, N] float32 by `kernel` (its weight must be held)."""
         if kernel == FBGEMM:
+            if self._packed is None:  # let go by a switch from one row (run_wide_from); a measurement's call
+                self._packed = self._fbgemm_pack(self.weight_codes())
             # scale 1.0: the operator's own quantisation of the codes is exact, its output is
             # float(int32 sum) · weight_scale, as the int_mm branch computes it
             return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
@@ -258,10 +280,11 @@ class Int8Product:
         return torch._int_mm(codes.to(torch.int8), self._codes_t) * self.weight_scale
 
     def kernel_for(self, rows: int) -> str:
-        if self._packed is None:
-            return INT_MM
-        threshold = self.wide_from_rows
-        return self.wide_kernel if threshold is not None and rows >= threshold else FBGEMM
+        if self.kernel != FBGEMM:
+            return self.kernel
+        threshold = self.wide_from_rows  # with fbgemm's copy let go, every call (even of no rows)
+        wide = threshold is not None and (rows >= threshold or self._packed is None)
+        return self.wide_kernel if wide else FBGEMM
 
     def __call__(self, x: torch.Tensor, member: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(product [rows, N] float32, row scales [rows, 1]) for input `x` (any leading shape).

@@ -23,12 +23,14 @@ or `vnni` (that kernel for every call from one row on, e.g. to check a non-depre
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 import os
 import platform
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 
 KERNELS_ENV = "SPECDEC_INT8_KERNELS"
 KERNEL_MODES = ("auto", FBGEMM, *WIDE_KERNELS)
-CACHE_FILE = "int8-kernels-4.json"  # {cpu key: {"KxN": [wide kernel, rows] or null}}
+CACHE_FILE = "int8-kernels-5.json"  # {cpu key: {"KxN": [wide kernel, rows] or null}}
 # row counts measured: a decode step, chains and trees, prefill chunks, a long prefill
 ROW_GRID = (1, 4, 9, 16, 64, 128, 256)
 WIDE_ROWS_ATTRIBUTE = "specdec_int8_wide_rows"  # set on the model: the smallest switch-over row count
@@ -62,6 +64,9 @@ TIE = 1.05  # and may not take more than 105 % of it at any larger count
 REPEATS = 5  # timed calls of each kernel at each row count (their fastest counts)
 HOPELESS = 4.0  # a wide kernel this many times fbgemm's first call at its widest count is timed no further
 MAX_CALL_SECONDS = 0.05  # a shape's grid stops where one fbgemm call takes longer (the lm_head)
+SWEEP_BYTES = 64 << 20  # weights a timed sweep reads where the CPU does not say its cache sizes
+MAX_SWEEP_BYTES = 1 << 30
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 NEVER = 1 << 62  # a switch-over no call reaches: holds a wide kernel's weight for measuring it
 
 Timings = dict[int, dict[str, float]]  # rows → {kernel: fastest call's seconds}
@@ -87,13 +92,18 @@ def wide_kernels() -> tuple[str, ...]:
 def crossover(timings: Timings, kernel: str) -> int | None:
     """The smallest measured row count where `kernel` beats fbgemm (by MARGIN) with no larger count
     where it loses (slower than TIE times fbgemm's time), else None. Level at the widest counts is
-    no loss: the VNNI kernel wins most at 9–64 rows and draws with fbgemm at 128–256 for some shapes."""
+    no loss: the VNNI kernel wins most at 9–64 rows and draws with fbgemm at 128–256 for some shapes.
+    Below a win the switch goes on down through the counts where the kernel is level (within TIE):
+    a call of a few rows costs either kernel about the weight's read, timed level within the host's
+    noise, and one kernel for every count is one layout of the weight held and read (on a Zen 4
+    EPYC a pass of 1 row took 48 ms with the VNNI kernel for every call against 57 with fbgemm,
+    where calls timed alone were level)."""
     threshold = None
     for rows in sorted(timings, reverse=True):
         seconds = timings[rows].get(kernel)
         if seconds is None or seconds >= TIE * timings[rows][FBGEMM]:
             break
-        if seconds < MARGIN * timings[rows][FBGEMM]:
+        if threshold is not None or seconds < MARGIN * timings[rows][FBGEMM]:
             threshold = rows
     return threshold
 
@@ -120,6 +130,19 @@ def _hopeless(seconds: float, fbgemm_seconds: float) -> bool:
     return seconds > HOPELESS * fbgemm_seconds
 
 
+def sweep_bytes(caches: Path = CPU_CACHES) -> int:
+    """Weight bytes one timed sweep of `measure` reads: twice the CPU's largest cache (sysfs;
+    SWEEP_BYTES where it does not say), at most MAX_SWEEP_BYTES."""
+    sizes = []
+    for index in caches.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return min(2 * max(sizes), MAX_SWEEP_BYTES) if sizes else SWEEP_BYTES
+
+
 def _seconds(product: Int8Product, codes: torch.Tensor, kernel: str) -> float:
     began = time.perf_counter()
     product.gemm(codes, kernel)
@@ -133,12 +156,21 @@ def _switch(product: Int8Product, choice: Choice) -> None:
         product.run_wide_from(choice[1], choice[0])
 
 
-def measure(product: Int8Product, rows_grid: Iterable[int] = ROW_GRID, repeats: int = REPEATS,
-            kernels: Iterable[str] | None = None, exhaustive: bool = False) -> Timings:
-    """fbgemm's and each wide kernel's fastest call, in seconds, for the GEMM of `product` on random
-    rows of its input width; the product keeps the kernels it had.
+def measure(group: Int8Product | Sequence[Int8Product], rows_grid: Iterable[int] = ROW_GRID,
+            repeats: int = REPEATS, kernels: Iterable[str] | None = None,
+            exhaustive: bool = False) -> Timings:
+    """fbgemm's and each wide kernel's fastest call, in seconds, for the GEMM of one weight shape on
+    random rows of its input width; `group`: the products of that shape (a model's layers), each
+    left with the kernels it had.
 
-    Made to hold on a shared host and to stay short where a wide kernel is slow:
+    Made to time what a pass times, to hold on a shared host, and to stay short where a wide kernel
+    is slow:
+    - a timed call is the mean of one call on each product of a pool, in turn (the first products
+      of the group, enough to read twice the largest cache), so each reads its weight from memory
+      as a pass's calls do, one layer after another; one call repeated on one weight finds it in
+      the cache. On a Zen 4 EPYC, timed on one weight, the VNNI kernel was level with fbgemm at
+      1-4 rows and kept off them, but a pass with it from one row took 48 against 57 ms at 1 row
+      and 80 against 104 at 10 (bench/RESULTS.md, "Kernels timed as a pass reads its weights");
     - the fastest of `repeats` calls, not the median: other work on the host only adds time;
     - a wide kernel's calls alternate with fbgemm's on the same rows, so a burst of load lands on
       both sides of the comparison, and a loss is timed once more before it counts;
@@ -148,41 +180,59 @@ def measure(product: Int8Product, rows_grid: Iterable[int] = ROW_GRID, repeats: 
       fbgemm's time at 256 rows on an AVX2 EPYC, and measuring it everywhere took that CPU 10
       minutes).
     `exhaustive` times every kernel at every count instead (the benchmark's full table).
+    The pool's products hold fbgemm's weight while measured, and the wide kernel's while it is timed
+    (copies let go after, as each product's switch had it).
     """
-    inputs, _ = product.shape
-    had = None if product.wide_kernel is None else (product.wide_kernel, product.wide_from_rows)
+    group = [group] if isinstance(group, Int8Product) else list(group)
+    inputs, outputs = group[0].shape
+    # The products the calls take in turn: enough that the weights read before a call comes back
+    # to one exceed the caches (SWEEP_BYTES or twice the largest cache); the rest stay as they are.
+    pool = group[:max(1, -(-sweep_bytes() // (inputs * outputs)))]
+    had = [None if p.wide_kernel is None else (p.wide_kernel, p.wide_from_rows) for p in pool]
+    for product in pool:  # fbgemm's copy held (a product switched from one row let it go)
+        product.run_wide_from(None)
+    turn, sweep = itertools.cycle(pool), len(pool)
     timings: Timings = {}
     inputs_by_rows: dict[int, torch.Tensor] = {}
     generator = torch.Generator().manual_seed(0)
+
+    def seconds(codes: torch.Tensor, kernel: str) -> float:
+        """One call's time: the mean over a sweep of the pool, each product in turn."""
+        return sum(_seconds(next(turn), codes, kernel) for _ in range(sweep)) / sweep
+
     try:
         with torch.inference_mode():
             for rows in sorted(rows_grid):
                 codes, _ = quantize_rows(torch.randn(rows, inputs, generator=generator))
                 inputs_by_rows[rows] = codes
-                product.gemm(codes, FBGEMM)  # warm-up: packing caches
-                timings[rows] = {FBGEMM: min(_seconds(product, codes, FBGEMM) for _ in range(repeats))}
+                seconds(codes, FBGEMM)  # warm-up (packing caches), not counted
+                timings[rows] = {FBGEMM: min(seconds(codes, FBGEMM) for _ in range(repeats))}
                 if timings[rows][FBGEMM] > MAX_CALL_SECONDS:
                     break
             for kernel in wide_kernels() if kernels is None else kernels:
-                product.run_wide_from(NEVER, kernel)  # its weight, for the measurement only
+                for product in pool:
+                    product.run_wide_from(NEVER, kernel)  # its weight, for the measurement only
                 for rows in sorted(timings, reverse=True):
                     codes, by_kernel = inputs_by_rows[rows], timings[rows]
-                    first = _seconds(product, codes, kernel)  # and oneDNN's primitive for this shape
+                    # one call first (and oneDNN's primitive for this shape): a fallback loop shows
+                    # at once, where a sweep of it over the pool took 3 minutes (oneDNN on a Zen 4)
+                    first = _seconds(next(turn), codes, kernel)
                     if _hopeless(first, by_kernel[FBGEMM]) and not exhaustive:
                         by_kernel[kernel] = first
                         break
-                    fastest = first
+                    fastest = first if sweep == 1 else math.inf
                     for _attempt in range(2):  # a loss is timed once more: a burst of load can fake it
                         for _ in range(repeats):
-                            by_kernel[FBGEMM] = min(by_kernel[FBGEMM], _seconds(product, codes, FBGEMM))
-                            fastest = min(fastest, _seconds(product, codes, kernel))
+                            by_kernel[FBGEMM] = min(by_kernel[FBGEMM], seconds(codes, FBGEMM))
+                            fastest = min(fastest, seconds(codes, kernel))
                         if fastest < TIE * by_kernel[FBGEMM]:
                             break
                     by_kernel[kernel] = fastest
                     if fastest >= TIE * by_kernel[FBGEMM] and not exhaustive:
                         break
     finally:
-        _switch(product, had)
+        for product, choice in zip(pool, had, strict=True):
+            _switch(product, choice)
     return timings
 
 
@@ -251,11 +301,11 @@ def _fallback_loop(timings: Timings, kernel: str) -> bool:
     return bool(timed) and _hopeless(timings[max(timed)][kernel], timings[max(timed)][FBGEMM])
 
 
-MeasureFn = Callable[[Int8Product, Iterable[str]], Timings]  # (product, wide kernels) → timings
+MeasureFn = Callable[[Sequence[Int8Product], Iterable[str]], Timings]  # (a shape's products, wide kernels)
 
 
-def _measure_with(product: Int8Product, kernels: Iterable[str]) -> Timings:
-    return measure(product, kernels=kernels)
+def _measure_with(group: Sequence[Int8Product], kernels: Iterable[str]) -> Timings:
+    return measure(group, kernels=kernels)
 
 
 def _measured_choices(by_shape: dict[str, list[Int8Product]], cache: Path | None,
@@ -280,7 +330,7 @@ def _measured_choices(by_shape: dict[str, list[Int8Product]], cache: Path | None
         for shape, group in sorted(by_shape.items(), key=lambda item: _size(item[1][0])):
             if shape in choice:
                 continue
-            timings = measure_fn(group[0], kernels)
+            timings = measure_fn(group, kernels)
             kernels = [kernel for kernel in kernels if not _fallback_loop(timings, kernel)]
             choice[shape] = best_wide(timings)
             log.info("int8 kernels for %s (ms by rows): %s → %s", shape,

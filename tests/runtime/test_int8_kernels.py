@@ -27,12 +27,15 @@ from specdec.runtime.int8 import (
 )
 from specdec.runtime.int8_kernels import (
     KERNELS_ENV,
+    MAX_SWEEP_BYTES,
+    SWEEP_BYTES,
     best_wide,
     choose_kernels,
     cpu_key,
     crossover,
     measure,
     products,
+    sweep_bytes,
     wide_kernels,
 )
 from specdec.runtime.kv import TreeKVCache
@@ -116,15 +119,16 @@ def test_switching_between_wide_kernels_keeps_one_copy():
 @pytest.mark.skipif(not vnni_available(), reason=NO_VNNI)
 @pytest.mark.parametrize(("inputs", "outputs"), [(160, 72), (150, 70), (8, 64), (1536, 130)])
 def test_the_vnni_kernel_gives_fbgemms_rows_at_every_count_and_ragged_shapes(inputs, outputs):
-    """int8_gemm_kernel.c blocks rows by 6 and outputs by 64 and pads inputs to a multiple of 4:
+    """int8_gemm_kernel.c blocks rows by 12 and outputs by 32 and pads inputs to a multiple of 4:
     every count of rows (whole blocks, a partial one, several), inputs and outputs off those
     multiples, and both thread counts give fbgemm's numbers bitwise."""
     torch.manual_seed(inputs + outputs)
-    product = Int8Product(torch.randn(outputs, inputs) * torch.rand(outputs, 1))
+    weight = torch.randn(outputs, inputs) * torch.rand(outputs, 1)
+    product, reference = Int8Product(weight), Int8Product(weight)
     product.run_wide_from(1, VNNI)
-    for rows in (1, 2, 5, 6, 7, 12, 13, 31):
+    for rows in (1, 2, 5, 6, 7, 11, 12, 13, 24, 25, 31):
         codes, _ = quantize_rows(torch.randn(rows, inputs) * torch.rand(rows, 1) * 3)
-        expected = product.gemm(codes, FBGEMM)
+        expected = reference.gemm(codes, FBGEMM)
         for threads in (1, 2):
             previous = torch.get_num_threads()
             torch.set_num_threads(threads)
@@ -132,6 +136,32 @@ def test_the_vnni_kernel_gives_fbgemms_rows_at_every_count_and_ragged_shapes(inp
                 assert torch.equal(product.gemm(codes, VNNI), expected), (rows, threads)
             finally:
                 torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("kernel", [INT_MM, pytest.param(VNNI, marks=pytest.mark.skipif(
+    not vnni_available(), reason=NO_VNNI))])
+def test_from_one_row_fbgemms_copy_goes_and_comes_back_from_the_wide_layout(kernel):
+    """No call reaches fbgemm when the wide kernel runs from one row: its copy of the weight goes
+    (one int8 copy held, not two) and a later switch gets it back, the same codes."""
+    torch.manual_seed(3)
+    weight = torch.randn(70, 150)
+    product, reference = Int8Product(weight), Int8Product(weight)
+    codes = reference.weight_codes()
+    rows, _ = quantize_rows(torch.randn(5, 150))
+    product.run_wide_from(1, kernel)
+    assert product._packed is None and torch.equal(product.weight_codes(), codes)
+    assert product.kernel_for(0) == product.kernel_for(1) == kernel  # no call rebuilds fbgemm's copy
+    assert torch.equal(product.gemm(rows, kernel), reference.gemm(rows, FBGEMM))
+    product.run_wide_from(4, kernel)  # fbgemm runs 1-3 rows again
+    assert product._packed is not None
+    assert torch.equal(product.gemm(rows[:2], FBGEMM), reference.gemm(rows[:2], FBGEMM))
+    product.run_wide_from(1, kernel)
+    product.run_wide_from(None)
+    assert product._codes_t is product._vnni is None and torch.equal(product.weight_codes(), codes)
+    assert torch.equal(product.gemm(rows, FBGEMM), reference.gemm(rows, FBGEMM))
+    if onednn_available():  # oneDNN's packed weight gives no codes back: fbgemm's copy stays
+        product.run_wide_from(1, ONEDNN)
+        assert product._packed is not None
 
 
 def test_the_vnni_kernel_is_refused_where_it_does_not_run(monkeypatch, tmp_path):
@@ -165,6 +195,9 @@ def _timings(*rows_fbgemm_int_mm):
     (_timings((16, 1.0, 0.95), (64, 4.0, 3.9), (256, 16.0, 15.0)), None),  # within the noise margin
     (_timings((16, 1.0, 0.6), (64, 4.0, 3.9), (256, 16.0, 16.4)), 16),  # wins narrow, level wide (VNNI)
     (_timings((16, 1.0, 0.6), (64, 4.0, 3.9), (256, 16.0, 17.0)), None),  # loses at the widest count
+    (_timings((1, 1.0, 1.03), (4, 1.0, 0.99), (16, 1.0, 0.6)), 1),  # level below a win: one kernel
+    (_timings((1, 1.0, 1.08), (4, 1.0, 0.99), (16, 1.0, 0.6)), 4),  # slower at one row: fbgemm there
+    (_timings((1, 1.0, 0.97), (4, 1.0, 0.99)), None),  # level everywhere, no win: no switch
     ({}, None),
 ])
 def test_crossover_is_where_the_wide_kernel_wins_from_there_on(timings, expected):
@@ -193,6 +226,44 @@ def test_measure_times_every_kernel_and_leaves_the_product_as_it_was():
     product.run_wide_from(2, INT_MM)
     measure(product, rows_grid=(1,), repeats=1)
     assert (product.wide_kernel, product.wide_from_rows) == (INT_MM, 2) and product._codes_t is not None
+
+
+def test_measure_takes_a_pool_of_the_shapes_products_in_turn_and_leaves_each_as_it_was(monkeypatch):
+    """Calls read their weights as a pass does, one product after another (a pool big enough to
+    outgrow the caches); the pool's products end with the kernels they had, the others untouched."""
+    from specdec.runtime import int8_kernels
+
+    group = [Int8Product(torch.randn(48, 32)) for _ in range(4)]
+    group[1].run_wide_from(1, INT_MM)  # fbgemm's copy let go: measuring needs it back
+    group[3].run_wide_from(2, INT_MM)
+    monkeypatch.setattr(int8_kernels, "sweep_bytes", lambda: 2 * 48 * 32)  # a pool of two
+    used = []
+
+    def seconds(product, codes, kernel):
+        used.append((group.index(product), kernel, product.wide_kernel))
+        return 1e-3
+    monkeypatch.setattr(int8_kernels, "_seconds", seconds)
+    measure(group, rows_grid=(1, 4), repeats=2, kernels=[INT_MM], exhaustive=True)
+    order = [index for index, _, _ in used]
+    assert set(order) == {0, 1}  # the pool: the first two
+    assert all(a != b for a, b in zip(order, order[1:], strict=False))  # never one weight twice running
+    assert all(wide == INT_MM for _, kernel, wide in used if kernel == INT_MM)  # its weight held
+    assert [(p.wide_kernel, p.wide_from_rows) for p in group] == [
+        (None, None), (INT_MM, 1), (None, None), (INT_MM, 2)]
+    assert group[0]._codes_t is None and group[1]._packed is None  # as each was
+
+
+@pytest.mark.parametrize(("sizes", "expected"), [
+    ({"index0": "48K", "index2": "1024K", "index3": "32768K"}, 64 << 20),  # the Zen 4's L3, twice
+    ({"index3": "2G"}, MAX_SWEEP_BYTES),
+    ({}, SWEEP_BYTES),
+    ({"index0": "unreadable"}, SWEEP_BYTES),
+])
+def test_a_sweep_reads_twice_the_largest_cache(tmp_path, sizes, expected):
+    for index, size in sizes.items():
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert sweep_bytes(tmp_path) == expected
 
 
 class _Clock:
@@ -245,8 +316,8 @@ def test_engines_starting_together_take_turns_the_second_reading_the_first_ones_
     cache = tmp_path / "int8-kernels.json"
     measuring, release, calls = threading.Event(), threading.Event(), []
 
-    def slow_measure(product, kernels):
-        calls.append(product.shape)
+    def slow_measure(group, kernels):
+        calls.append(group[0].shape)
         measuring.set()
         assert release.wait(30)
         return _timings((16, 1.0, 2.0))
@@ -285,7 +356,9 @@ def test_choice_is_measured_once_per_cpu_and_shape_and_kept(tmp_path, monkeypatc
     calls = []
 
     # _int_mm wins from 64 rows for the widest layer only; the head from 1
-    def fake_measure(product, kernels):
+    def fake_measure(group, kernels):
+        product = group[0]
+        assert {id(p) for p in group} == {id(p) for p in products(model) if p.shape == product.shape}
         calls.append(product.shape)
         if product is head:
             return _timings((1, 2.0, 1.0), (64, 8.0, 4.0))
@@ -315,11 +388,11 @@ def test_a_start_that_finds_every_choice_saved_does_not_wait_on_a_measuring_engi
 
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     cache = tmp_path / "int8-kernels.json"
-    choice = choose_kernels(_model(), cache, measure_fn=lambda product, kernels: _timings((16, 1.0, 2.0)))
+    choice = choose_kernels(_model(), cache, measure_fn=lambda group, kernels: _timings((16, 1.0, 2.0)))
     results = {}
     with file_lock(cache.with_name(f".{cache.name}.lock")):  # another engine measuring its shapes
         start = threading.Thread(target=lambda: results.setdefault("choice", choose_kernels(
-            _model(), cache, measure_fn=lambda product, kernels: pytest.fail("measured again"))))
+            _model(), cache, measure_fn=lambda group, kernels: pytest.fail("measured again"))))
         start.start()
         start.join(30)
         assert not start.is_alive() and results["choice"] == choice
@@ -329,8 +402,8 @@ def test_a_fallback_loop_found_on_the_smallest_shape_is_not_timed_on_the_others(
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     asked = []
 
-    def fake_measure(product, kernels):  # _int_mm 50 times fbgemm's time (AVX2's fallback loop)
-        asked.append((product.shape[0] * product.shape[1], list(kernels)))
+    def fake_measure(group, kernels):  # _int_mm 50 times fbgemm's time (AVX2's fallback loop)
+        asked.append((group[0].shape[0] * group[0].shape[1], list(kernels)))
         return {64: {FBGEMM: 1.0, **{kernel: 50.0 if kernel == INT_MM else 2.0 for kernel in kernels}}}
 
     model = _model()
