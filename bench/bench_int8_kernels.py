@@ -5,6 +5,10 @@ choice it makes, so a CPU's figures can be recorded beside the others:
 
     python -m bench.bench_int8_kernels --out bench/results/<run>/int8-kernels.md    (1-2 min)
 
+Calls are timed as an engine times them: over a pool of a shape's weights in turn (as a pass reads
+them), a wide kernel stopped where it loses, and one found to be a fallback loop on the smallest
+shape not timed on the others.
+
 `--exhaustive` fills the cells an engine leaves out.
 
 Every kernel gives bitwise the same rows (tests/runtime/test_int8_kernels.py); only time differs.
@@ -36,22 +40,25 @@ def main(argv: list[str] | None = None) -> int:
     from bench.machine import cpu_model
     from specdec.defaults import DEFAULT_TARGET_MODEL
     from specdec.models import resolve_model
-    from specdec.runtime.int8_kernels import best_wide, measure, products, wide_kernels
+    from specdec.runtime.int8_kernels import best_wide, fallback_loop, measure, products, wide_kernels
 
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     loaded = load_hf_target(resolve_model(args.target or DEFAULT_TARGET_MODEL), "int8", args.threads)
-    shapes = {}
-    for product in products(loaded.model):
-        shapes.setdefault(product.shape, product)
+    shapes: dict[tuple[int, int], list] = {}
+    for product in products(loaded.model):  # a shape's products: its calls are timed over a pool of them
+        shapes.setdefault(product.shape, []).append(product)
     kernels = ("fbgemm", *wide_kernels())
     lines = [f"int8 kernels, fastest call's ms ({cpu_model()}, {torch.get_num_threads()} threads, "
              f"torch {torch.__version__}); {' / '.join(kernels)} (–: not timed, as an engine stops a wide "
              f"kernel where it loses); the choice as an engine makes it",
              "", "| K × N | " + " | ".join(f"{r} rows" for r in rows) + " | choice |",
              "|---|" + "---:|" * len(rows) + "---|"]
-    for (inputs, outputs), product in shapes.items():
+    left = list(wide_kernels())  # as an engine does: a fallback loop found once is not timed again
+    for (inputs, outputs), group in sorted(shapes.items(), key=lambda item: item[0][0] * item[0][1]):
         print(f"measuring {inputs} × {outputs} …", file=sys.stderr, flush=True)
-        timings = measure(product, rows_grid=rows, repeats=args.repeats, exhaustive=args.exhaustive)
+        timings = measure(group, rows_grid=rows, repeats=args.repeats, exhaustive=args.exhaustive,
+                          kernels=None if args.exhaustive else left)
+        left = [kernel for kernel in left if not fallback_loop(timings, kernel)]
         cells = [" / ".join(f"{1e3 * timings[r][k]:.2f}" if k in timings[r] else "–" for k in kernels)
                  if r in timings else "–" for r in rows]
         choice = best_wide(timings)

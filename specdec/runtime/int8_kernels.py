@@ -96,8 +96,8 @@ def crossover(timings: Timings, kernel: str) -> int | None:
     Below a win the switch goes on down through the counts where the kernel is level (within TIE):
     a call of a few rows costs either kernel about the weight's read, timed level within the host's
     noise, and one kernel for every count is one layout of the weight held and read (on a Zen 4
-    EPYC a pass of 1 row took 48 ms with the VNNI kernel for every call against 57 with fbgemm,
-    where calls timed alone were level)."""
+    EPYC passes of 1 row with the VNNI kernel for every call were level with fbgemm's or faster:
+    68 against 69 ms in one run, 48 against 57 in another)."""
     threshold = None
     for rows in sorted(timings, reverse=True):
         seconds = timings[rows].get(kernel)
@@ -169,8 +169,9 @@ def measure(group: Int8Product | Sequence[Int8Product], rows_grid: Iterable[int]
       of the group, enough to read twice the largest cache), so each reads its weight from memory
       as a pass's calls do, one layer after another; one call repeated on one weight finds it in
       the cache. On a Zen 4 EPYC, timed on one weight, the VNNI kernel was level with fbgemm at
-      1-4 rows and kept off them, but a pass with it from one row took 48 against 57 ms at 1 row
-      and 80 against 104 at 10 (bench/RESULTS.md, "Kernels timed as a pass reads its weights");
+      1-4 rows and kept off them (and off the o projection), but passes of 10 rows with it for
+      every call took 79-80 ms against 86-96 under that choice (bench/RESULTS.md, "Kernels timed
+      as a pass reads its weights");
     - the fastest of `repeats` calls, not the median: other work on the host only adds time;
     - a wide kernel's calls alternate with fbgemm's on the same rows, so a burst of load lands on
       both sides of the comparison, and a loss is timed once more before it counts;
@@ -295,7 +296,7 @@ def _size(product: Int8Product) -> int:
     return product.shape[0] * product.shape[1]
 
 
-def _fallback_loop(timings: Timings, kernel: str) -> bool:
+def fallback_loop(timings: Timings, kernel: str) -> bool:
     """Whether `kernel` took HOPELESS times fbgemm's time at the widest count it was timed at."""
     timed = [rows for rows in timings if kernel in timings[rows]]
     return bool(timed) and _hopeless(timings[max(timed)][kernel], timings[max(timed)][FBGEMM])
@@ -331,7 +332,7 @@ def _measured_choices(by_shape: dict[str, list[Int8Product]], cache: Path | None
             if shape in choice:
                 continue
             timings = measure_fn(group, kernels)
-            kernels = [kernel for kernel in kernels if not _fallback_loop(timings, kernel)]
+            kernels = [kernel for kernel in kernels if not fallback_loop(timings, kernel)]
             choice[shape] = best_wide(timings)
             log.info("int8 kernels for %s (ms by rows): %s → %s", shape,
                      {rows: {k: round(v * 1e3, 3) for k, v in by_kernel.items()}
