@@ -1,6 +1,6 @@
-"""What /proc/cpuinfo says about this CPU (its model name, its feature flags), read without
-starting a process (platform.processor() forks `uname -p`). Kernel choices and builds are kept per
-CPU by these, and benchmark results name the CPU they ran on."""
+"""What /proc/cpuinfo says about this CPU (its model name, its feature flags) and sysfs its caches,
+read without starting a process (platform.processor() forks `uname -p`). Kernel choices and builds
+are kept per CPU by these, and benchmark results name the CPU they ran on."""
 
 from __future__ import annotations
 
@@ -19,3 +19,18 @@ def cpuinfo_field(name: str) -> str | None:
             return value.strip()
     return None
 
+
+
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def largest_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
+    """The size of this CPU's largest cache (sysfs `index*/size`, e.g. "32768K"), else None."""
+    sizes = []
+    for index in caches.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return max(sizes) if sizes else None

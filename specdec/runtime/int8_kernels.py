@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.runtime.cpuinfo import cpuinfo_field
+from specdec.runtime.cpuinfo import CPU_CACHES, cpuinfo_field, largest_cache_bytes
 from specdec.runtime.file_lock import file_lock
 from specdec.runtime.int8 import (
     FBGEMM,
@@ -66,7 +66,6 @@ HOPELESS = 4.0  # a wide kernel this many times fbgemm's first call at its wides
 MAX_CALL_SECONDS = 0.05  # a shape's grid stops where one fbgemm call takes longer (the lm_head)
 SWEEP_BYTES = 64 << 20  # weights a timed sweep reads where the CPU does not say its cache sizes
 MAX_SWEEP_BYTES = 1 << 30
-CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 NEVER = 1 << 62  # a switch-over no call reaches: holds a wide kernel's weight for measuring it
 
 Timings = dict[int, dict[str, float]]  # rows → {kernel: fastest call's seconds}
@@ -131,16 +130,10 @@ def _hopeless(seconds: float, fbgemm_seconds: float) -> bool:
 
 
 def sweep_bytes(caches: Path = CPU_CACHES) -> int:
-    """Weight bytes one timed sweep of `measure` reads: twice the CPU's largest cache (sysfs;
-    SWEEP_BYTES where it does not say), at most MAX_SWEEP_BYTES."""
-    sizes = []
-    for index in caches.glob("index*"):
-        try:
-            text = (index / "size").read_text().strip().upper()
-            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
-        except (OSError, ValueError):
-            continue
-    return min(2 * max(sizes), MAX_SWEEP_BYTES) if sizes else SWEEP_BYTES
+    """Weight bytes one timed sweep of `measure` reads: twice the CPU's largest cache (SWEEP_BYTES
+    where sysfs does not say), at most MAX_SWEEP_BYTES."""
+    largest = largest_cache_bytes(caches)
+    return SWEEP_BYTES if largest is None else min(2 * largest, MAX_SWEEP_BYTES)
 
 
 def _seconds(product: Int8Product, codes: torch.Tensor, kernel: str) -> float:
