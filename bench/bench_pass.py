@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.runtime.kv import TreeKVCache
 
     loaded = load_hf_target(resolve_model(args.target or DEFAULT_TARGET_MODEL), args.precision, args.threads)
-    vocab = loaded.info.vocab_size  # the same ids in every checkout; modulo a small test vocabulary
-    prompt = [(1000 + (i * 37) % 5000) % vocab for i in range(args.prompt_tokens)]
+    prompt = prompt_ids(loaded.info.vocab_size, args.prompt_tokens)
+    vocab = loaded.info.vocab_size
     widths = sorted({int(w) for w in args.widths.split(",") if w.strip()} | {1})
     prefill: list[float] = []
     by_width: dict[int, list[float]] = {n: [] for n in widths}
@@ -79,6 +80,51 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefill of {args.prompt_tokens} tokens {result['prefill_s']:.3f} s; {passes} "
               "(after the prompt)")
     return 0
+
+
+def prompt_ids(vocab: int, tokens: int) -> list[int]:
+    """The fixed code-like prompt: the same ids in every checkout (modulo a small test vocabulary)."""
+    return [(1000 + (i * 37) % 5000) % vocab for i in range(tokens)]
+
+
+def alternated_passes(model, vocab: int, names: Sequence[str], switch: Callable[[str], None],
+                      rounds: int, widths: Sequence[int], prompt_tokens: int = 500,
+                      ) -> dict[str, dict[str | int, list[float]]]:
+    """Seconds of a prefill of `prompt_tokens` ("prefill") and of passes of each width (3 a round,
+    each a chain rejected whole) per named setup, `switch(name)` before its turn. The setups take
+    turns round by round, in reverse order every other round, so the host's drift lands on each;
+    round 0 warms up and is not kept. For A/B scripts of the bench results."""
+    import torch
+
+    from specdec.runtime.kv import TreeKVCache
+
+    prompt = prompt_ids(vocab, prompt_tokens)
+    times: dict[str, dict[str | int, list[float]]] = {
+        name: {width: [] for width in ("prefill", *widths)} for name in names}
+    with torch.inference_mode():
+        for round_ in range(rounds + 1):
+            for name in (list(names) if round_ % 2 else list(reversed(names))):
+                switch(name)
+                kv = TreeKVCache(model)
+                began = time.perf_counter()
+                kv.prefill(prompt)
+                if round_:
+                    times[name]["prefill"].append(time.perf_counter() - began)
+                for n in widths:
+                    for _ in range(3):
+                        began = time.perf_counter()
+                        kv.extend([t % vocab for t in range(600, 600 + n)], list(range(-1, n - 1)))
+                        if round_:
+                            times[name][n].append(time.perf_counter() - began)
+                        kv.settle([])
+    return times
+
+
+def median_line(name: str, times: dict[str | int, list[float]]) -> str:
+    """One setup's medians: the prefill in seconds, T(n) in ms."""
+    return f"{name:7s} " + " ".join(
+        f"{w if w == 'prefill' else f'T({w})'}={statistics.median(v) * (1 if w == 'prefill' else 1e3):.3f}"
+        for w, v in times.items())
 
 
 if __name__ == "__main__":

@@ -8,29 +8,25 @@ Run from the repo root:
     PYTHONPATH=. python bench/results/zen4-2026-12-06e/pass_choices.py [rounds] [widths]
 """
 import resource
-import statistics
 import sys
-import time
 from pathlib import Path
 
-import torch
-
 from bench.bench_grounded import load_hf_target
+from bench.bench_pass import alternated_passes, median_line
 from specdec.defaults import DEFAULT_TARGET_MODEL
 from specdec.models import resolve_model
 from specdec.runtime.int8 import VNNI
 from specdec.runtime.int8_kernels import choose_kernels, products
-from specdec.runtime.kv import TreeKVCache
 
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 6
 widths = tuple(int(w) for w in sys.argv[2].split(",")) if len(sys.argv) > 2 else (1, 4, 10, 16)
 loaded = load_hf_target(resolve_model(DEFAULT_TARGET_MODEL), "int8", 2)
 model = loaded.model
-vocab = loaded.info.vocab_size
 now = choose_kernels(model, Path("/tmp/pass-choices-kernels.json"), mode="auto")
 print("the engine's choice now:", now)
 before = {"1536x2048": 1, "1536x17920": 4, "1536x151936": 9, "8960x1536": 16, "1536x1536": None}
 setups = {"fbgemm": {}, "before": before, "now": {s: c[1] for s, c in now.items() if c}}
+memory = {}
 
 
 def rss_gib() -> float:
@@ -39,35 +35,15 @@ def rss_gib() -> float:
     return int(line.split()[1]) / 2**20
 
 
-def use(choice):
+def use(name):
     for product in products(model):
-        rows = choice.get(f"{product.shape[0]}x{product.shape[1]}")
+        rows = setups[name].get(f"{product.shape[0]}x{product.shape[1]}")
         product.run_wide_from(rows, VNNI) if rows else product.run_wide_from(None)
+    memory[name] = rss_gib()
 
 
-prompt = [(1000 + (i * 37) % 5000) % vocab for i in range(500)]
-times = {name: {w: [] for w in ("prefill", *widths)} for name in setups}
-memory = {}
-with torch.inference_mode():
-    for r in range(rounds + 1):
-        for name, choice in (list(setups.items()) if r % 2 else list(reversed(setups.items()))):
-            use(choice)
-            memory[name] = rss_gib()
-            kv = TreeKVCache(model)
-            began = time.perf_counter()
-            kv.prefill(prompt)
-            if r:
-                times[name]["prefill"].append(time.perf_counter() - began)
-            for n in widths:
-                for _ in range(3):
-                    began = time.perf_counter()
-                    kv.extend([t % vocab for t in range(600, 600 + n)], list(range(-1, n - 1)))
-                    if r:
-                        times[name][n].append(time.perf_counter() - began)
-                    kv.settle([])
+times = alternated_passes(model, loaded.info.vocab_size, list(setups), use, rounds, widths)
 print("median over", rounds, "rounds (prefill: s, 500 tokens; T(n): ms); RSS after the switch (GiB)")
 for name in setups:
-    print(f"{name:7s}", " ".join(
-        f"{w if w == 'prefill' else f'T({w})'}={statistics.median(v) * (1 if w == 'prefill' else 1e3):.3f}"
-        for w, v in times[name].items()), f"RSS={memory[name]:.2f}")
+    print(median_line(name, times[name]), f"RSS={memory[name]:.2f}")
 print("peak RSS (GiB):", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
