@@ -71,6 +71,10 @@ def _vnni_library() -> ctypes.CDLL | None:
     library.specdec_int8_gemm.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     library.specdec_int8_gemm.restype = ctypes.c_int
+    library.specdec_int8_quantize_gemm.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_float, ctypes.c_void_p,
+                                                   i64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                   ctypes.c_int]
+    library.specdec_int8_quantize_gemm.restype = ctypes.c_int
     return library
 
 
@@ -107,6 +111,24 @@ def _vnni_gemm(codes: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
                                           scale.data_ptr(), out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("the VNNI int8 kernel could not allocate its scratch rows")
     return out
+
+
+def _vnni_quantize_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                        outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(x) and _vnni_gemm of its codes in one C call (bitwise the same product and
+    row scales): (product [rows, outputs], row scales [rows, 1])."""
+    library = _vnni_library()
+    assert library is not None, "the VNNI kernel runs only where vnni_available()"
+    x = x.to(torch.float32).contiguous()
+    rows, inputs = x.shape
+    out = torch.empty(rows, outputs, dtype=torch.float32)
+    row_scale = torch.empty(rows, 1, dtype=torch.float32)
+    if rows and library.specdec_int8_quantize_gemm(x.data_ptr(), rows, inputs, float(ACTIVATION_LEVELS),
+                                                   packed.data_ptr(), outputs, scale.data_ptr(),
+                                                   out.data_ptr(), row_scale.data_ptr(),
+                                                   torch.get_num_threads()):
+        raise MemoryError("the VNNI int8 kernel could not allocate its scratch rows")
+    return out, row_scale
 
 
 def _onednn_linear(codes: torch.Tensor, zero_point: int, packed: torch.Tensor, scale: torch.Tensor,
@@ -299,8 +321,14 @@ class Int8Product:
             if len(last[4]) >= self.members:  # every member has its columns: let the tensors go
                 self._last.entry = None
             return last[2], last[3]
-        codes, row_scale = quantize_rows(x.reshape(-1, x.shape[-1]).float())
-        product = self.gemm(codes, self.kernel_for(codes.shape[0]))
+        rows = x.reshape(-1, x.shape[-1])
+        kernel = self.kernel_for(rows.shape[0])
+        if kernel == VNNI:  # quantised inside the kernel's call: bitwise quantize_rows' codes
+            assert self._vnni is not None, "run_wide_from(rows, VNNI) first"
+            product, row_scale = _vnni_quantize_gemm(rows, *self._vnni, self.shape[1])
+        else:
+            codes, row_scale = quantize_rows(rows.float())
+            product = self.gemm(codes, kernel)
         # holding `x` keeps its identity (and memory) from being reused until the siblings ran
         self._last.entry = [x, version, product, row_scale, {member}] if self.members > 1 else None
         return product, row_scale
