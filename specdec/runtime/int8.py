@@ -308,6 +308,17 @@ class Int8Product:
         wide = threshold is not None and (rows >= threshold or self._packed is None)
         return self.wide_kernel if wide else FBGEMM
 
+    def all_columns(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(product [rows, N] float32, row scales [rows, 1]) for input `x` (any leading shape),
+        computed now: for a caller that takes every member's columns at once (no sharing)."""
+        rows = x.reshape(-1, x.shape[-1])
+        kernel = self.kernel_for(rows.shape[0])
+        if kernel == VNNI:  # quantised inside the kernel's call: bitwise quantize_rows' codes
+            assert self._vnni is not None, "run_wide_from(rows, VNNI) first"
+            return _vnni_quantize_gemm(rows, *self._vnni, self.shape[1])
+        codes, row_scale = quantize_rows(rows.float())
+        return self.gemm(codes, kernel), row_scale
+
     def __call__(self, x: torch.Tensor, member: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(product [rows, N] float32, row scales [rows, 1]) for input `x` (any leading shape).
 
@@ -321,14 +332,7 @@ class Int8Product:
             if len(last[4]) >= self.members:  # every member has its columns: let the tensors go
                 self._last.entry = None
             return last[2], last[3]
-        rows = x.reshape(-1, x.shape[-1])
-        kernel = self.kernel_for(rows.shape[0])
-        if kernel == VNNI:  # quantised inside the kernel's call: bitwise quantize_rows' codes
-            assert self._vnni is not None, "run_wide_from(rows, VNNI) first"
-            product, row_scale = _vnni_quantize_gemm(rows, *self._vnni, self.shape[1])
-        else:
-            codes, row_scale = quantize_rows(rows.float())
-            product = self.gemm(codes, kernel)
+        product, row_scale = self.all_columns(x)
         # holding `x` keeps its identity (and memory) from being reused until the siblings ran
         self._last.entry = [x, version, product, row_scale, {member}] if self.members > 1 else None
         return product, row_scale

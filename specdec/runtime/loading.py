@@ -30,6 +30,7 @@ from specdec.runtime.fixed_attention import attention_choice
 from specdec.runtime.int8 import invariant_kv_dtype, quantize_linears, use_invariant_attention
 from specdec.runtime.int8_kernels import CACHE_FILE as KERNEL_CACHE_FILE
 from specdec.runtime.int8_kernels import choose_kernels
+from specdec.runtime.layer_kernels import use_layer_kernels
 from specdec.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
 DTYPES: dict[str, torch.dtype] = {
@@ -257,6 +258,7 @@ def quantize_int8(model: Any, kernel_cache: Path | None = None) -> Any:
     float32 pages, all read once to quantise them, stay in the process (the default target held
     8.5 GB, 6 GB of it the file, instead of 3.4 GB).
 
+    Its Llama-family RMS norms and gated MLPs then run in C (specdec.runtime.layer_kernels).
     Then the int8 GEMM is chosen per weight shape for this CPU (specdec.runtime.int8_kernels;
     `kernel_cache`: the JSON file that keeps the measurement, None: measure every time).
     """
@@ -269,6 +271,7 @@ def quantize_int8(model: Any, kernel_cache: Path | None = None) -> Any:
                 tensor.data = tensor.data.clone()
         attention = attention_choice()  # once: the cache's dtype and the attention that reads it
         model = quantize_linears(model, kv_dtype=invariant_kv_dtype(attention))
+        use_layer_kernels(model)
     choose_kernels(model, kernel_cache)
     use_invariant_attention(model, attention)
     gc.collect()

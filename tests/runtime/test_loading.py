@@ -11,6 +11,7 @@ import torch
 
 from specdec.runtime import loading
 from specdec.runtime.int8 import RowwiseInt8Linear, quantize_linears, use_invariant_attention
+from specdec.runtime.layer_kernels import use_layer_kernels
 from specdec.runtime.loading import ModelPathError, cached_sha256, convert_gguf, load_model
 from specdec.runtime.tiny import build_tiny_model
 from specdec.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
@@ -150,6 +151,7 @@ def test_int8_lets_go_of_the_weights_file_and_keeps_its_logits(tiny_dir):
     finally:
         gc.enable()
     reference = quantize_linears(load_model(tiny_dir).model)
+    use_layer_kernels(reference)
     use_invariant_attention(reference)
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
