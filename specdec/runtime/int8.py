@@ -35,6 +35,7 @@ from specdec.runtime.fixed_attention import (
     fixed_order_attention,
     supports,
 )
+from specdec.runtime.huge_pages import on_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +269,8 @@ class Int8Product:
         elif kernel == VNNI:
             self._codes_t = self._onednn = None
             if self._vnni is None:
-                self._vnni = pack_for_vnni(codes, self.weight_scale)
+                packed, padded_scale = pack_for_vnni(codes, self.weight_scale)
+                self._vnni = (on_huge_pages(packed), padded_scale)  # streamed every pass: fewer TLB misses
         else:
             self._vnni = None
             self._onednn_zero_point = onednn_input_zero_point()

@@ -40,30 +40,39 @@ static float lane_sum(vec x) {
     return c[0] + c[1];
 }
 
-/* out = weight · (x · (1 / sqrt(mean(x²) + eps))) for each row of `cols` values, as transformers'
+/* out = weight · (x · (1 / sqrt(mean(x²) + eps))) for one row of `cols` values, as transformers'
  * Llama-family RMS norms compute it in float32. */
+static void rms_norm_row(const float *row, int64_t cols, const float *weight, float eps, float *o) {
+    const int64_t whole = cols / LANES * LANES;
+    vec squares = splat(0.0f);
+    for (int64_t c = 0; c < whole; c += LANES) {
+        const vec v = load(row + c);
+        squares = squares + v * v;
+    }
+    if (whole < cols) {
+        const vec v = load_part(row + whole, cols - whole);
+        squares = squares + v * v;
+    }
+    const vec scale = splat(1.0f / sqrtf(lane_sum(squares) / (float)cols + eps));
+    for (int64_t c = 0; c < whole; c += LANES) store(o + c, load(weight + c) * (load(row + c) * scale));
+    if (whole < cols)
+        store_part(o + whole, load_part(weight + whole, cols - whole) * (load_part(row + whole, cols - whole) * scale),
+                   cols - whole);
+}
+
+/* Rows from PARALLEL_ROWS on (a prefill chunk) are split over the threads; fewer (a decode or verify
+ * pass: microseconds of work) run on the calling thread with no OpenMP region at all, not even one
+ * whose `if` clause fails, which still passes through libgomp's team start. */
+#define PARALLEL_ROWS 16
+
 void specdec_rms_norm(const float *x, int64_t rows, int64_t cols, const float *weight, float eps,
                       float *out, int threads) {
-    const int64_t whole = cols / LANES * LANES;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * cols;
-        float *o = out + r * cols;
-        vec squares = splat(0.0f);
-        for (int64_t c = 0; c < whole; c += LANES) {
-            const vec v = load(row + c);
-            squares = squares + v * v;
-        }
-        if (whole < cols) {
-            const vec v = load_part(row + whole, cols - whole);
-            squares = squares + v * v;
-        }
-        const vec scale = splat(1.0f / sqrtf(lane_sum(squares) / (float)cols + eps));
-        for (int64_t c = 0; c < whole; c += LANES) store(o + c, load(weight + c) * (load(row + c) * scale));
-        if (whole < cols)
-            store_part(o + whole, load_part(weight + whole, cols - whole) * (load_part(row + whole, cols - whole) * scale),
-                       cols - whole);
+    if (rows < PARALLEL_ROWS) {
+        for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * cols, cols, weight, eps, out + r * cols);
+        return;
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * cols, cols, weight, eps, out + r * cols);
 }
 
 /* exp(x) lane by lane, x clamped to [-87, 88]: 2^n · poly(r), r = x − n ln 2, |r| ≤ ln 2 / 2; ~2 ulp.
@@ -95,17 +104,23 @@ static inline vec silu_mul(vec gate, vec up, vec scale) {
     return g / (splat(1.0f) + exp_lanes(-g)) * u;
 }
 
+/* One row of the middle. */
+static void silu_mul_row(const float *gate, int64_t inner, float row_scale, float *o) {
+    const int64_t whole = inner / LANES * LANES;
+    const float *up = gate + inner;
+    const vec scale = splat(row_scale);
+    for (int64_t c = 0; c < whole; c += LANES) store(o + c, silu_mul(load(gate + c), load(up + c), scale));
+    if (whole < inner)
+        store_part(o + whole, silu_mul(load_part(gate + whole, inner - whole), load_part(up + whole, inner - whole),
+                                       scale), inner - whole);
+}
+
 void specdec_silu_mul(const float *product, const float *row_scale, int64_t rows, int64_t inner,
                       float *out, int threads) {
-    const int64_t whole = inner / LANES * LANES;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * inner >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = product + r * 2 * inner, *up = gate + inner;
-        float *o = out + r * inner;
-        const vec scale = splat(row_scale[r]);
-        for (int64_t c = 0; c < whole; c += LANES) store(o + c, silu_mul(load(gate + c), load(up + c), scale));
-        if (whole < inner)
-            store_part(o + whole, silu_mul(load_part(gate + whole, inner - whole), load_part(up + whole, inner - whole),
-                                           scale), inner - whole);
+    if (rows < PARALLEL_ROWS) {
+        for (int64_t r = 0; r < rows; r++) silu_mul_row(product + r * 2 * inner, inner, row_scale[r], out + r * inner);
+        return;
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) silu_mul_row(product + r * 2 * inner, inner, row_scale[r], out + r * inner);
 }
