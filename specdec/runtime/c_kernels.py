@@ -1,7 +1,8 @@
 """Building specdec's C kernels: once per machine, with the system's C compiler, into the specdec home.
 
-Each kernel (`attention_kernel.c`, `int8_gemm_kernel.c`) is built with `cc -O3 -march=native
--fopenmp` (or one thread without OpenMP), keyed by its source, the compiler and the CPU's flags,
+Each kernel (`attention_kernel.c`, `int8_gemm_kernel.c`, `layer_kernels.c`) is built with
+`cc -O3 -march=native -fopenmp` (or one thread without OpenMP), keyed by its source, the compiler
+and the CPU's flags,
 and called through ctypes, which lets go of the GIL for the call; its OpenMP threads are torch's
 (one runtime in the process).
 """
