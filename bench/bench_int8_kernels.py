@@ -21,6 +21,12 @@ import sys
 from pathlib import Path
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds to three significant figures: a tiny model's call takes a few microseconds."""
+    ms = 1e3 * seconds
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_int8_kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         timings = measure(group, rows_grid=rows, repeats=args.repeats, exhaustive=args.exhaustive,
                           kernels=None if args.exhaustive else left)
         left = [kernel for kernel in left if not fallback_loop(timings, kernel)]
-        cells = [" / ".join(f"{1e3 * timings[r][k]:.2f}" if k in timings[r] else "–" for k in kernels)
+        cells = [" / ".join(_ms(timings[r][k]) if k in timings[r] else "–" for k in kernels)
                  if r in timings else "–" for r in rows]
         choice = best_wide(timings)
         chosen = "fbgemm only" if choice is None else f"{choice[0]} from {choice[1]} rows"
