@@ -120,6 +120,48 @@ def alternated_passes(model, vocab: int, names: Sequence[str], switch: Callable[
     return times
 
 
+def swapped_in_one_process(model, vocab: int, names: tuple[str, str], switch: Callable[[str], None],
+                           rounds: int, widths: Sequence[int], passes: int = 8,
+                           ) -> dict[tuple[str, int], list[float]]:
+    """Per (setup, width), the median of `passes` passes a round, after one 500-token prompt kept
+    for every round; the two setups take turns, the order alternating, `switch(name)` before each
+    turn. For A/B scripts of the bench results where both setups live in one process (their
+    processes would differ by more than the setups: bench/RESULTS.md, the memory modes)."""
+    import torch
+
+    from specdec.runtime.kv import TreeKVCache
+
+    times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in names for n in widths}
+    with torch.inference_mode():
+        kv = TreeKVCache(model)
+        kv.prefill(prompt_ids(vocab, 500))
+        for round_ in range(rounds):
+            for name in names if round_ % 2 == 0 else tuple(reversed(names)):
+                switch(name)
+                for n in widths:
+                    tokens, parents = [t % vocab for t in range(600, 600 + n)], list(range(-1, n - 1))
+                    seconds = []
+                    for _ in range(passes):
+                        began = time.perf_counter()
+                        kv.extend(tokens, parents)
+                        kv.settle([])
+                        seconds.append(time.perf_counter() - began)
+                    times[(name, n)].append(statistics.median(seconds))
+    return times
+
+
+def swap_report(times: dict[tuple[str, int], list[float]], names: tuple[str, str], labels: tuple[str, str],
+                widths: Sequence[int]) -> list[str]:
+    """One line per width: each setup's median over the rounds and the per-round ratio second/first."""
+    lines = []
+    for n in widths:
+        first, second = times[(names[0], n)], times[(names[1], n)]
+        ratios = ", ".join(f"{b / a:.2f}" for a, b in zip(first, second, strict=True))
+        lines.append(f"T({n}): {labels[0]} {1e3 * statistics.median(first):.1f} ms, {labels[1]} "
+                     f"{1e3 * statistics.median(second):.1f} ms; per round {names[1]}/{names[0]}: {ratios}")
+    return lines
+
+
 def median_line(name: str, times: dict[str | int, list[float]]) -> str:
     """One setup's medians: the prefill in seconds, T(n) in ms."""
     return f"{name:7s} " + " ".join(
