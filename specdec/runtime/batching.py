@@ -63,6 +63,7 @@ from specdec.runtime.kv import (
     growing_layer_class,
     model_device_dtype,
 )
+from specdec.runtime.lean_forward import causal_lm_logits
 from specdec.runtime.pass_time import PassTimeModel
 from specdec.runtime.ragged import RaggedPass, Segment, use_ragged_attention
 
@@ -539,15 +540,9 @@ class ForwardBatcher:
             keep = max(keep, n - plan.rows_from)
 
         with torch.no_grad():
-            out = self.model(
-                input_ids=input_ids.to(device),
-                attention_mask=additive_mask(allowed, dtype)[:, None].to(device),
-                position_ids=positions.to(device),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=keep,
-            )
-        logits = out.logits.float()
+            logits = causal_lm_logits(self.model, input_ids.to(device),
+                                      additive_mask(allowed, dtype)[:, None].to(device),
+                                      positions.to(device), cache, keep).float()
 
         results = []
         for b, (kv, plan) in enumerate(zip(kvs, plans, strict=True)):
@@ -581,21 +576,22 @@ class ForwardBatcher:
         lengths = [job.kv.physical_len() for job in batch]  # type: ignore[union-attr]
         try:
             with torch.no_grad():
-                out = self.model(
-                    input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
+                all_logits = causal_lm_logits(
+                    self.model,
+                    torch.tensor([tokens], dtype=torch.long, device=device),
                     # A placeholder: the model passes a ready 4D mask on as it is, and the ragged
                     # attention reads each segment's own mask instead.
-                    attention_mask=torch.zeros((1, 1, 1, 1), dtype=dtype, device=device),
-                    position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-                    use_cache=False,
-                    logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                    torch.zeros((1, 1, 1, 1), dtype=dtype, device=device),
+                    torch.tensor([positions], dtype=torch.long, device=device),
+                    None,
+                    torch.tensor(keep, dtype=torch.long, device=device),
                     ragged=RaggedPass(segments),
                 )
         except BaseException:
             for job, length in zip(batch, lengths, strict=True):  # entries some layers appended
                 job.kv.drop_entries_after(length)  # type: ignore[union-attr]
             raise
-        logits = out.logits[0].float()
+        logits = all_logits[0].float()
         results: list[torch.Tensor | None] = []
         row = 0
         for job in batch:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from specdec.runtime.lean_forward import causal_lm_logits
 from specdec.runtime.prefix_cache import PrefixLink, block_keys, next_key, root_key
 from specdec.trees import common_prefix, sequence_parents
 
@@ -324,16 +325,16 @@ class TreeKVCache:
         device, dtype = model_device_dtype(self.model)
         n_new = len(plan.tokens)
         with self.lock or nullcontext(), torch.no_grad():
-            out = self.model(
-                input_ids=torch.tensor([plan.tokens], dtype=torch.long, device=device),
+            logits = causal_lm_logits(
+                self.model,
+                torch.tensor([plan.tokens], dtype=torch.long, device=device),
                 # Additive float mask: eager attention adds it to the scores, sdpa accepts it as is.
-                attention_mask=additive_mask(plan.allowed, dtype)[None, None].to(device),
-                position_ids=torch.tensor([plan.positions], dtype=torch.long, device=device),
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=n_new - plan.rows_from,
+                additive_mask(plan.allowed, dtype)[None, None].to(device),
+                torch.tensor([plan.positions], dtype=torch.long, device=device),
+                self.cache,
+                n_new - plan.rows_from,
             )
-        return out.logits[0].float()
+        return logits[0].float()
 
     def _count_appended(self, n: int) -> None:
         """`n` entries were written past the cached ones (a growing cache counts its own; a pooled
