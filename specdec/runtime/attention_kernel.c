@@ -24,28 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
-typedef float vec __attribute__((vector_size(64)));
-typedef float vec_unaligned __attribute__((vector_size(64), aligned(4)));
-typedef int32_t ivec __attribute__((vector_size(64)));
-
-static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
-static inline void store(float *p, vec x) { *(vec_unaligned *)p = x; }
-static inline vec splat(float x) { return (vec){0} + x; }
-/* The first n (< 16) floats at p, zeros after: the last chunk of a head dimension not a multiple of 16. */
-static inline vec load_part(const float *p, int n) {
-    vec x = splat(0.0f);
-    memcpy(&x, p, sizeof(float) * (size_t)n);
-    return x;
-}
-
-/* The one tree every lane sum takes: lanes l and l + 8, then l + 4, l + 2, l + 1. */
-static float lane_sum(vec x) {
-    vec a = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    vec b = a + __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-    vec c = b + __builtin_shufflevector(b, b, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-    return c[0] + c[1];
-}
+#include "lanes.h"
 
 /* Four lane sums at once, each by the same tree as lane_sum (the same pairs added, only packed
  * into fewer vectors): sums[j] = lane_sum(x_j). */
@@ -104,25 +83,9 @@ static void group_scores(const float *q, int64_t q_head, int group, const float 
     }
 }
 
-/* exp(x) lane by lane (x <= 0 here): 2^n * poly(r), r = x - n ln 2, |r| <= ln 2 / 2; ~2 ulp. */
-__attribute__((noinline)) static vec exp_lanes(vec x) {
-    const vec low = splat(-87.0f);
-    const ivec below = x < low;
-    x = (vec)(((ivec)low & below) | ((ivec)x & ~below));
-    vec shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vec n = (x * splat(1.44269504088896341f) + shifter) - shifter;
-    vec r = x - n * splat(0.693359375f);
-    r = r - n * splat(-2.12194440e-4f);
-    vec p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = (p * r) * r + r + splat(1.0f);
-    ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
-    return p * (vec)bits;
-}
+/* exp(x) lane by lane (lanes.h; x <= 0 here), not inlined: the denominator adds the rounded value
+ * it stores, which an inlined call could fuse with its last product. */
+__attribute__((noinline)) static vec exp_apart(vec x) { return exp_lanes(x); }
 
 /* o_g = sum_i p_gi v_i / denominator_g over the seen keys in order, one lane per head dimension,
  * for a head dimension DIM that is a multiple of 16: two heads at a time, so that a value row is
@@ -233,7 +196,7 @@ int specdec_fixed_order_attention(
                 for (int i = seen; i < blocks * LANES; i++) scores[i] = top;
                 vec total = splat(0.0f);
                 for (int blk = 0; blk < blocks; blk++) {
-                    vec p = exp_lanes(load(scores + blk * LANES) - splat(top));
+                    vec p = exp_apart(load(scores + blk * LANES) - splat(top));
                     if (blk == blocks - 1)
                         for (int l = seen - blk * LANES; l < LANES; l++) p[l] = 0.0f;
                     store(scores + blk * LANES, p);

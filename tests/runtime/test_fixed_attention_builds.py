@@ -21,8 +21,10 @@ from .test_fixed_attention import causal_mask, tensors
 
 def _build_with(flags: list[str], out: Path) -> ctypes.CDLL:
     """The kernel's source built with other flags than the runtime's (a one-off library)."""
+    package = resources.files("specdec.runtime")
+    for name in (fixed_attention.SOURCE, *c_kernels.HEADERS):
+        (out.parent / name).write_bytes(package.joinpath(name).read_bytes())
     source = out.parent / fixed_attention.SOURCE
-    source.write_bytes(resources.files("specdec.runtime").joinpath(fixed_attention.SOURCE).read_bytes())
     subprocess.run([str(c_kernels.compiler()), *flags, str(source), "-o", str(out)], check=True,
                    capture_output=True, timeout=300)
     library = ctypes.CDLL(str(out))
@@ -47,3 +49,21 @@ def test_avx2_and_avx512_builds_compute_the_same_numbers(tmp_path, monkeypatch):
         outputs[name] = fixed_order_attention(query, key, value, mask)
     for name, out in outputs.items():
         assert torch.equal(out, outputs["avx2"]), name
+
+
+def test_the_shared_header_is_built_beside_each_source_and_keys_its_build(tmp_path, monkeypatch):
+    """A kernel's source includes lanes.h: the build finds it in its scratch directory, and an
+    edited header is a new build (a host never runs a library built from another header)."""
+    package = tmp_path / "package"
+    package.mkdir()
+    for name in ("layer_kernels.c", *c_kernels.HEADERS):
+        (package / name).write_bytes(resources.files("specdec.runtime").joinpath(name).read_bytes())
+    monkeypatch.setattr(c_kernels.resources, "files", lambda _: package)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    c_kernels.compiled("layer_kernels.c", "probe")
+    built = sorted((tmp_path / "home" / "kernels").glob("probe-*.so"))
+    assert len(built) == 1
+    with open(package / "lanes.h", "a") as header:
+        header.write("/* edited */\n")
+    assert c_kernels.compiled("layer_kernels.c", "probe").specdec_rms_norm
+    assert len(sorted((tmp_path / "home" / "kernels").glob("probe-*.so"))) == 2
