@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.runtime import lean_forward
 from specdec.runtime.batch_config import DEFAULT_POOL_SLOTS, DEFAULT_SLOT_TOKENS
 from specdec.runtime.kv import CacheError, ExtendPlan, TreeKVCache, additive_mask, model_device_dtype
 from specdec.runtime.prefix_cache import PrefixLink, PrefixStore
@@ -313,6 +314,9 @@ class KVPool:
 
     def _forward(self, inputs: dict[str, torch.Tensor], kv: int) -> torch.Tensor:
         cache = _PassCache(self, inputs["slot_ids"], inputs["write_index"], kv)
+        if lean_forward.supports(self.model):
+            return lean_forward.lean_logits(self.model, inputs["input_ids"], inputs["mask"],
+                                            inputs["position_ids"], cache, 0)
         out = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["mask"],
                          position_ids=inputs["position_ids"], use_cache=True, **{self._cache_keyword: cache})
         return out.logits
