@@ -9,6 +9,11 @@ of a 500-token prefill's elementwise time. Raising both thresholds keeps those b
 pass (a resident size that stays at its peak, as jemalloc's or tcmalloc's would).
 
 Opt out with SPECDEC_MALLOC_TUNING=0; a user's own GLIBC_TUNABLES or MALLOC_*_ settings win.
+
+Loading is the exception: quantising a model frees gigabytes of float weights (copies and the
+file's tensors) that no pass will ask for again, and with the thresholds raised they stay in the
+heap. So a load ends with `release_freed_memory`: the default int8 target's process then holds
+2.9 GB instead of 8.5 GB.
 """
 
 from __future__ import annotations
@@ -51,3 +56,14 @@ def keep_freed_memory() -> bool:
         if not _tuned:
             log.info("glibc refused the malloc thresholds; large temporaries are mapped per pass")
         return _tuned
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free memory to the kernel now (glibc's malloc_trim; after a load, whose
+    freed float weights no pass reuses). True where it released something."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc: its allocator keeps its own policy
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))

@@ -23,7 +23,7 @@ import torch
 
 from specdec.defaults import PRECISIONS, resolve_precision, specdec_home
 from specdec.engine.api import ModelInfo
-from specdec.runtime.allocator import keep_freed_memory
+from specdec.runtime.allocator import keep_freed_memory, release_freed_memory
 from specdec.runtime.compute_thread import ComputeThread
 from specdec.runtime.file_lock import file_lock
 from specdec.runtime.fixed_attention import attention_choice
@@ -331,6 +331,8 @@ def load_model(
     del output  # a float Linear: held here, it would keep its part of the weights file mapped
     if dtype == INT8:
         model = quantize_int8(model, specdec_home(home) / KERNEL_CACHE_FILE)
+    if torch.device(device).type == "cpu":
+        release_freed_memory()  # the float weights quantising freed, kept by the raised thresholds
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     info = ModelInfo(
         model_id=model_id,

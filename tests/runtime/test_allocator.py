@@ -53,3 +53,32 @@ def test_a_libc_without_mallopt_is_no_error(fresh):
 
     fresh.setattr(allocator.ctypes, "CDLL", NoMallopt)
     assert allocator.keep_freed_memory() is False
+
+
+def _anonymous_kib() -> int:
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(fields["RssAnon"].split()[0])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_a_load_gives_back_what_it_freed(fresh):
+    """With the thresholds raised, freed blocks stay in the heap (what a quantising load frees:
+    gigabytes of float weights); `release_freed_memory` returns them to the kernel."""
+    allocator.keep_freed_memory()
+    blocks = [bytearray(8 << 20) for _ in range(40)]  # 320 MiB from the heap, pages touched
+    pin = bytearray(1024)  # a live block above them: the heap's top cannot simply shrink
+    held = _anonymous_kib()
+    del blocks
+    assert _anonymous_kib() > held - (100 << 10)  # still resident after the free
+    assert allocator.release_freed_memory() is True
+    assert _anonymous_kib() < held - (250 << 10)
+    del pin
+
+
+def test_a_libc_without_malloc_trim_is_no_error(fresh):
+    class NoMallocTrim:
+        def __init__(self, name):
+            pass
+
+    fresh.setattr(allocator.ctypes, "CDLL", NoMallocTrim)
+    assert allocator.release_freed_memory() is False
