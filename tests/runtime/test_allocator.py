@@ -46,13 +46,14 @@ def test_opt_out_and_a_users_own_settings_are_left_alone(fresh, name, value):
     assert allocator.keep_freed_memory() is False
 
 
-def test_a_libc_without_mallopt_is_no_error(fresh):
-    class NoMallopt:
+@pytest.mark.parametrize("call", [allocator.keep_freed_memory, allocator.release_freed_memory])
+def test_a_libc_without_mallopt_or_malloc_trim_is_no_error(fresh, call):
+    class NotGlibc:
         def __init__(self, name):
             pass
 
-    fresh.setattr(allocator.ctypes, "CDLL", NoMallopt)
-    assert allocator.keep_freed_memory() is False
+    fresh.setattr(allocator.ctypes, "CDLL", NotGlibc)
+    assert call() is False
 
 
 def _anonymous_kib() -> int:
@@ -73,12 +74,3 @@ def test_a_load_gives_back_what_it_freed(fresh):
     assert allocator.release_freed_memory() is True
     assert _anonymous_kib() < held - (250 << 10)
     del pin
-
-
-def test_a_libc_without_malloc_trim_is_no_error(fresh):
-    class NoMallocTrim:
-        def __init__(self, name):
-            pass
-
-    fresh.setattr(allocator.ctypes, "CDLL", NoMallocTrim)
-    assert allocator.release_freed_memory() is False
