@@ -101,10 +101,15 @@ def test_the_running_image_has_a_c_compiler_for_the_attention_kernel() -> None:
                 if keyword == "RUN" and re.search(r"apt-get install\b.*\bgcc\b", rest)]
     user = max(i for i, (keyword, _) in enumerate(stage) if keyword == "USER")
     assert installs and installs[0] < user
+    import tomllib
+
+    from specdec.runtime.c_kernels import HEADERS
     from specdec.runtime.fixed_attention import SOURCE
 
-    assert '"specdec.runtime" = ["*.c"]' in (ROOT / "pyproject.toml").read_text()  # the source ships
-    assert (ROOT / "specdec" / "runtime" / SOURCE).exists()
+    # the sources and the header they include ship in the package
+    shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert {"*.c", "*.h"} <= set(shipped["specdec.runtime"])
+    assert all((ROOT / "specdec" / "runtime" / name).exists() for name in (SOURCE, *HEADERS))
 
 
 def test_every_copy_source_exists_and_no_model_is_baked_in() -> None:
