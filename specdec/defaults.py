@@ -77,3 +77,9 @@ def specdec_home(home: Path | str | None = None) -> Path:
     if home is None:
         home = os.environ.get("SPECDEC_HOME") or Path.home() / ".cache" / "specdec"
     return Path(home).expanduser()
+
+
+def switched_off(variable: str) -> bool:
+    """Whether an on-by-default switch (SPECDEC_LAYER_KERNELS, SPECDEC_HUGE_PAGES, ...) is set to
+    0, false, no or off in the environment."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")

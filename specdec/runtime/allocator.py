@@ -23,6 +23,8 @@ import logging
 import os
 import threading
 
+from specdec.defaults import switched_off
+
 log = logging.getLogger(__name__)
 
 TUNING_ENV = "SPECDEC_MALLOC_TUNING"
@@ -45,7 +47,7 @@ def keep_freed_memory() -> bool:
         if _tuned is not None:
             return _tuned
         _tuned = False
-        if os.environ.get(TUNING_ENV, "1").strip().lower() in ("0", "false", "no", "off") or _user_tuned():
+        if switched_off(TUNING_ENV) or _user_tuned():
             return False
         try:  # the process's own symbols: glibc's mallopt where libc is glibc (find_library forks ldconfig)
             mallopt = ctypes.CDLL(None).mallopt

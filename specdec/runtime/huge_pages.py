@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 
 import torch
+
+from specdec.defaults import switched_off
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     keeps the mapping alive), else `tensor` itself."""
     size = tensor.numel() * tensor.element_size()
     if (size < HUGE_PAGE_BYTES or tensor.device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE")
-            or os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off")):
+            or switched_off(ENV)):
         return tensor
     try:
         region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

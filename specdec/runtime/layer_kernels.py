@@ -16,10 +16,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 
+from specdec.defaults import switched_off
 from specdec.runtime.c_kernels import KernelUnavailable, compiled
 from specdec.runtime.int8 import RowwiseInt8Linear
 
@@ -107,7 +107,7 @@ def _gated_int8(mlp: torch.nn.Module) -> bool:
 def use_layer_kernels(model: torch.nn.Module) -> int:
     """Swap `model`'s Llama-family RMS norms and int8 gated MLPs for the C ones (in place, once, at
     load); returns how many modules were swapped (0: none here, no compiler, or SPECDEC_LAYER_KERNELS=0)."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off") or load_kernels() is None:
+    if switched_off(ENV) or load_kernels() is None:
         return 0
     swapped = 0
     for parent in list(model.modules()):

@@ -17,12 +17,13 @@ runs transformers' forward.
 
 from __future__ import annotations
 
-import os
 import sys
 import weakref
 from typing import Any
 
 import torch
+
+from specdec.defaults import switched_off
 
 ENV = "SPECDEC_LEAN_FORWARD"
 # The causal-LM classes whose decoder layers are exactly pre-norm attention + pre-norm MLP
@@ -38,7 +39,7 @@ _support: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDict
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return not switched_off(ENV)
 
 
 def _hooked(module: torch.nn.Module) -> bool:
