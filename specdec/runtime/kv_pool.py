@@ -29,7 +29,6 @@ Passes outside every bucket (long prefills) run eagerly over the same pool.
 from __future__ import annotations
 
 import gc
-import inspect
 import logging
 import threading
 import time
@@ -39,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.runtime import lean_forward
 from specdec.runtime.batch_config import DEFAULT_POOL_SLOTS, DEFAULT_SLOT_TOKENS
 from specdec.runtime.kv import CacheError, ExtendPlan, TreeKVCache, additive_mask, model_device_dtype
+from specdec.runtime.lean_forward import causal_lm_logits
 from specdec.runtime.prefix_cache import PrefixLink, PrefixStore
 
 log = logging.getLogger(__name__)
@@ -181,9 +180,6 @@ class KVPool:
         self.report = CaptureReport(pool_bytes=2 * layers * shape[0] * shape[1] * shape[2] * shape[3]
                                     * self.keys[0].element_size())
         self.passes = {"captured": 0, "eager": 0}
-        # transformers renamed the forward's `past_key_values` to `cache` (5.2x); either works here.
-        self._cache_keyword = ("cache" if "cache" in inspect.signature(model.forward).parameters
-                               else "past_key_values")
 
     # slots -------------------------------------------------------------------------------------
     def acquire(self) -> int | None:
@@ -314,12 +310,8 @@ class KVPool:
 
     def _forward(self, inputs: dict[str, torch.Tensor], kv: int) -> torch.Tensor:
         cache = _PassCache(self, inputs["slot_ids"], inputs["write_index"], kv)
-        if lean_forward.supports(self.model):
-            return lean_forward.lean_logits(self.model, inputs["input_ids"], inputs["mask"],
-                                            inputs["position_ids"], cache, 0)
-        out = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["mask"],
-                         position_ids=inputs["position_ids"], use_cache=True, **{self._cache_keyword: cache})
-        return out.logits
+        return causal_lm_logits(self.model, inputs["input_ids"], inputs["mask"], inputs["position_ids"],
+                                cache, 0)
 
     def prefill(self, slot: int, cached: int, tokens: Sequence[int]) -> None:
         """Append a causal run of committed tokens (a prompt) to a slot, in eager chunks."""

@@ -17,6 +17,8 @@ runs transformers' forward.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import weakref
 from typing import Any
@@ -129,5 +131,11 @@ def causal_lm_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_
         return lean_logits(model, input_ids, attention_mask, position_ids, cache, logits_to_keep,
                            **attention_kwargs)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 past_key_values=cache, use_cache=cache is not None, logits_to_keep=logits_to_keep,
-                 **attention_kwargs).logits
+                 use_cache=cache is not None, logits_to_keep=logits_to_keep,
+                 **{_cache_keyword(type(model)): cache}, **attention_kwargs).logits
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """transformers renamed the forward's `past_key_values` to `cache` (5.2x); the one it takes."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
