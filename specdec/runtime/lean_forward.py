@@ -132,10 +132,15 @@ def causal_lm_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_
                            **attention_kwargs)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                  use_cache=cache is not None, logits_to_keep=logits_to_keep,
-                 **{_cache_keyword(type(model)): cache}, **attention_kwargs).logits
+                 **{_cache_keyword(_function(model.forward)): cache}, **attention_kwargs).logits
+
+
+def _function(method: Any) -> Any:
+    """The function behind a bound method (the same for every instance: what the cache below keys)."""
+    return getattr(method, "__func__", method)
 
 
 @functools.cache
-def _cache_keyword(model_class: type) -> str:
+def _cache_keyword(forward: Any) -> str:
     """transformers renamed the forward's `past_key_values` to `cache` (5.2x); the one it takes."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
